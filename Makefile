@@ -1,0 +1,31 @@
+# make demo : create .venv, install, run the demo on 2 local ranks
+# make test : create .venv, install, run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# the venv's bin/ holds mpiexec and mpicc from the mpich wheel
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+STAMP := $(VENV)/.mcrdl-installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch (a newer or unpinned torch would pull a multi-GB CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[mpich,torch,test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	mpiexec -n 2 $(PY) bench/demo.py
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	mpiexec -n 2 $(PY) bench/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""MCR-DL backends: one module per communication library (mpi, gloo, nccl)."""

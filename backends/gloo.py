@@ -1,0 +1,239 @@
+"""Gloo backend: torch's ProcessGroupGloo on a store bootstrapped by MCR-DL.
+
+MCR-DL does not touch the user's default torch process group. The world's store is a
+``TCPStore`` that rank 0 opens on a free port and announces through the bootstrap
+(under ``mpiexec``), or the one ``torchrun`` already runs on MASTER_ADDR:MASTER_PORT.
+Each group gets its own ProcessGroupGloo on a ``PrefixStore``; creating it is a
+rendezvous that can only block, so it runs on a helper thread while the calling thread
+keeps driving the progress loop (in-flight MPI work keeps moving meanwhile).
+
+All ops map to one Gloo call on flat views of the buffers (zero-copy):
+``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base`` (uneven splits), and
+gather/scatter with views of one flat staging buffer. ReduceOp.AVG is done as SUM then
+a division on completion, the same on every dtype, so results do not depend on
+whether a given torch build's Gloo knows AVG. CPU tensors only for now.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mcrdl_core import dtypes as dt
+from mcrdl_core.backend import Backend
+from mcrdl_core.buffer import Buffer
+from mcrdl_core.ops import Op, ReduceOp
+from mcrdl_core.work import ThreadWork, Work
+
+_TORCH = {dt.float16: torch.float16, dt.bfloat16: torch.bfloat16, dt.float32: torch.float32,
+          dt.float64: torch.float64, dt.int8: torch.int8, dt.uint8: torch.uint8,
+          dt.int16: torch.int16, dt.int32: torch.int32, dt.int64: torch.int64}
+_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
+        ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT, ReduceOp.MIN: dist.ReduceOp.MIN,
+        ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.BAND: dist.ReduceOp.BAND,
+        ReduceOp.BOR: dist.ReduceOp.BOR, ReduceOp.BXOR: dist.ReduceOp.BXOR}
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def tensor(buf: Buffer) -> torch.Tensor:
+    """Flat torch view of a contiguous CPU Buffer (no copy)."""
+    h = buf.host().reshape(-1)
+    if buf.dtype is dt.bfloat16:
+        return torch.from_numpy(h.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(h)
+
+
+def env_store(bootstrap):
+    """The torchrun store (MASTER_ADDR:MASTER_PORT), as a client of torchrun's agent
+    store when torchrun hosts one, else hosted by rank 0. Used by the env bootstrap."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    timeout = float(os.environ.get("MCRDL_TIMEOUT", 300))
+    store = dist.TCPStore(host, port, bootstrap.size, is_master=bootstrap.rank == 0 and not agent,
+                          timeout=_timeout(timeout), wait_for_workers=False)
+    return dist.PrefixStore("mcrdl", store)
+
+
+class GlooWork(Work):
+    poll_group = "gloo"
+
+    def __init__(self, op, group, twork, keep=(), finalize=None, desc=""):
+        super().__init__("gloo", op, group, finalize=finalize, desc=desc)
+        self.twork = twork
+        self.keep = keep
+
+    def _poll(self) -> bool:
+        if not self.twork.is_completed():
+            return False
+        self.twork.wait()  # returns at once; raises the library's error if it failed
+        return True
+
+    def _complete(self, error=None):
+        super()._complete(error)
+        self.keep = ()
+
+
+def _avg(buf: Buffer, n: int):
+    def fin():
+        h = buf.host()
+        np.divide(h, n, out=h, casting="unsafe")
+    return fin
+
+
+class GlooBackend(Backend):
+    name = "gloo"
+    devices = ("cpu",)
+
+    def __init__(self, runtime):
+        super().__init__(runtime)
+        self._store = None
+
+    @classmethod
+    def unavailable_reason(cls, bootstrap):
+        if not dist.is_available() or not dist.is_gloo_available():
+            return "this torch build has no Gloo support"
+        return None
+
+    def unsupported_reason(self, op, device, dtype, reduce_op=None):
+        if device.kind != "cpu":
+            return ("the gloo backend does not handle CUDA buffers yet (it comes with the GPU "
+                    "work)")
+        if dtype not in _TORCH:
+            return f"the gloo backend cannot communicate {dtype.name}"
+        return None
+
+    # --- store and process groups -------------------------------------------------------
+    def store(self):
+        if self._store is None:
+            bs = self.rt.bootstrap
+            if bs.kind == "env":
+                self._store = bs.store
+            else:
+                timeout = _timeout(self.rt.engine.timeout)
+                host = "127.0.0.1" if bs.all_local else os.environ.get("MASTER_ADDR", bs.hostname())
+                if bs.rank == 0:
+                    store = dist.TCPStore(host, 0, bs.size, is_master=True, timeout=timeout,
+                                          wait_for_workers=False)
+                    bs.bcast((host, store.port))
+                else:
+                    host, port = bs.bcast(None)
+                    store = dist.TCPStore(host, port, bs.size, is_master=False, timeout=timeout)
+                self._store = dist.PrefixStore("mcrdl", store)
+        return self._store
+
+    def _device(self):
+        iface = os.environ.get("GLOO_SOCKET_IFNAME")
+        if iface:
+            return dist.ProcessGroupGloo.create_device(interface=iface.split(",")[0])
+        if self.rt.bootstrap.all_local:
+            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+        return dist.ProcessGroupGloo.create_default_device()
+
+    def create_comm(self, group):
+        store = dist.PrefixStore(f"g{group.id}", self.store())
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [self._device()]
+        opts._timeout = _timeout(self.rt.engine.timeout)
+        work = ThreadWork("gloo", "create process group",
+                          lambda: dist.ProcessGroupGloo(store, group.rank, group.size, opts),
+                          group, desc="rendezvous")
+        self.rt.engine.wait([work])
+        return work.result()
+
+    def destroy(self):
+        for g in self.rt.groups:
+            g.comms.pop(self.name, None)
+        self._store = None
+
+    # --- helpers ------------------------------------------------------------------------
+    def _work(self, op, group, twork, bufs, finalize=None, desc=""):
+        return GlooWork(op, group, twork, bufs, finalize, desc)
+
+    # --- point to point -----------------------------------------------------------------
+    # Gloo's send/recv works report is_completed() only after wait() has run, so they
+    # cannot be polled: each is waited on by a helper thread (torch releases the GIL in
+    # wait()), and the progress loop polls that thread like any other work.
+    def send(self, group, buf, dst, tag):
+        t = tensor(buf)
+        tw = self.comm(group).send([t], dst, tag)
+        return ThreadWork("gloo", Op.SEND, lambda: (tw.wait(), buf, t), group,
+                          desc=f"to group rank {dst}")
+
+    def recv(self, group, buf, src, tag):
+        t = tensor(buf)
+        pg = self.comm(group)
+        tw = pg.recv_anysource([t], tag) if src is None else pg.recv([t], src, tag)
+
+        def wait_source():
+            tw.wait()
+            assert buf is not None and t is not None  # both stay alive until the data landed
+            return tw._source_rank() if src is None else src
+
+        return ThreadWork("gloo", Op.RECV, wait_source, group,
+                          desc=f"from group rank {'any' if src is None else src}")
+
+    # --- collectives --------------------------------------------------------------------
+    def broadcast(self, group, buf, root):
+        t = tensor(buf)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        return self._work(Op.BROADCAST, group, self.comm(group).broadcast([t], opts), (buf, t))
+
+    def reduce(self, group, buf, root, op):
+        t = tensor(buf)
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.rootTensor, opts.reduceOp = root, 0, _OPS[op]
+        fin = _avg(buf, group.size) if op is ReduceOp.AVG and group.rank == root else None
+        return self._work(Op.REDUCE, group, self.comm(group).reduce([t], opts), (buf, t), fin)
+
+    def all_reduce(self, group, buf, op):
+        t = tensor(buf)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        fin = _avg(buf, group.size) if op is ReduceOp.AVG else None
+        return self._work(Op.ALL_REDUCE, group, self.comm(group).allreduce([t], opts), (buf, t),
+                          fin)
+
+    def all_gather(self, group, out, inp):
+        to, ti = tensor(out), tensor(inp)
+        return self._work(Op.ALL_GATHER, group, self.comm(group)._allgather_base(to, ti),
+                          (out, inp, to, ti))
+
+    def reduce_scatter(self, group, out, inp, op):
+        to, ti = tensor(out), tensor(inp)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _OPS[op]
+        fin = _avg(out, group.size) if op is ReduceOp.AVG else None
+        tw = self.comm(group)._reduce_scatter_base(to, ti, opts)
+        return self._work(Op.REDUCE_SCATTER, group, tw, (out, inp, to, ti), fin)
+
+    def all_to_all(self, group, out, inp, out_counts, in_counts):
+        to, ti = tensor(out), tensor(inp)
+        tw = self.comm(group).alltoall_base(to, ti, list(out_counts), list(in_counts),
+                                            dist.AllToAllOptions())
+        return self._work(Op.ALL_TO_ALL, group, tw, (out, inp, to, ti))
+
+    def gather(self, group, out, inp, root):
+        ti = tensor(inp)
+        outs = [list(tensor(out).view(group.size, -1).unbind(0))] if group.rank == root else []
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        tw = self.comm(group).gather(outs, [ti], opts)
+        return self._work(Op.GATHER, group, tw, (out, inp, ti, outs))
+
+    def scatter(self, group, out, inp, root):
+        to = tensor(out)
+        ins = [list(tensor(inp).view(group.size, -1).unbind(0))] if group.rank == root else []
+        opts = dist.ScatterOptions()
+        opts.rootRank = root
+        tw = self.comm(group).scatter([to], ins, opts)
+        return self._work(Op.SCATTER, group, tw, (out, inp, to, ins))
+
+    def barrier(self, group):
+        return self._work(Op.BARRIER, group, self.comm(group).barrier(dist.BarrierOptions()), ())

@@ -1,0 +1,1 @@
+"""JAX frontend (planned: see the JAX issue)."""

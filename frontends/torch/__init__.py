@@ -1,0 +1,156 @@
+"""mcrdl_torch: torch.distributed's functions, run by MCR-DL on the best backend per call.
+
+Replace ``import torch.distributed as dist`` by ``import mcrdl_torch as dist``: the
+names, signatures and semantics are torch.distributed's (``src``/``dst`` are global
+ranks; collectives are in place; ``async_op=True`` returns a Work with ``wait()`` and
+``is_completed()``), and every call also takes ``backend=`` ("mpi", "gloo", "nccl",
+"auto" or None). Where this frontend differs from torch.distributed:
+
+- ``init_process_group`` is optional: the first call initializes from the launcher
+  (mpiexec or torchrun); ``init_method``/``store`` are not needed and are ignored.
+- ``new_group(ranks, backend=...)`` sets the default backend for calls on the group;
+  ``init_process_group(backend=...)`` does the same for the world.
+- non-contiguous *input* tensors are copied to contiguous ones instead of refused;
+  outputs must be contiguous, as in torch.
+- ``gather_list``/``scatter_list`` on non-root ranks are ignored instead of refused.
+"""
+from __future__ import annotations
+
+import mcrdl_core as _core
+from mcrdl_core import Group, ReduceOp, Work  # noqa: F401  (public names)
+from mcrdl_core.errors import InvalidArgumentError
+
+from .tensors import to_buffer as _b
+from .tensors import to_buffers as _bs
+
+GroupMember = Group
+
+
+def init_process_group(backend: str | None = None, init_method=None, timeout=None,
+                       world_size: int = -1, rank: int = -1, store=None, **_ignored) -> None:
+    """Initialize MCR-DL (idempotent). ``backend`` becomes the world's default backend;
+    ``timeout`` (timedelta or seconds) bounds every wait."""
+    if timeout is not None and hasattr(timeout, "total_seconds"):
+        timeout = timeout.total_seconds()
+    rt = _core.init(timeout=timeout)
+    for name, given, actual in (("world_size", world_size, rt.world_size), ("rank", rank, rt.rank)):
+        if given not in (-1, None) and given != actual:
+            raise InvalidArgumentError(f"init_process_group: {name}={given} but the launcher "
+                                       f"says {actual}; drop the argument or fix the launch")
+    if backend not in (None, "auto") and "gloo" in str(backend) and "nccl" in str(backend):
+        backend = None  # torch's "cpu:gloo,cuda:nccl": let the policy choose by device
+    rt.world.backend = None if backend in (None, "auto") else str(backend)
+
+
+def is_initialized() -> bool:
+    return _core.is_initialized()
+
+
+def destroy_process_group(group=None) -> None:
+    if group is None:
+        _core.destroy()
+
+
+def get_rank(group=None) -> int:
+    return _core.get_rank(group)
+
+
+def get_world_size(group=None) -> int:
+    return _core.get_world_size(group)
+
+
+def get_global_rank(group, group_rank: int) -> int:
+    return (group or _core.get_runtime().world).global_rank(group_rank)
+
+
+def get_group_rank(group, global_rank: int) -> int:
+    return (group or _core.get_runtime().world).group_rank(global_rank)
+
+
+def new_group(ranks=None, timeout=None, backend: str | None = None, pg_options=None,
+              **_ignored) -> Group:
+    """Collective over the world, like torch's: every rank calls it with the same ranks."""
+    return _core.new_group(ranks, backend=None if backend in (None, "auto") else backend)
+
+
+def available_backends() -> dict:
+    return _core.available_backends()
+
+
+# --- point to point ------------------------------------------------------------------------
+def send(tensor, dst: int, group=None, tag: int = 0, backend=None) -> None:
+    _core.send(_b(tensor), dst, group, tag, False, backend)
+
+
+def recv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None) -> int:
+    return _core.recv(_b(tensor), src, group, tag, False, backend)
+
+
+def isend(tensor, dst: int, group=None, tag: int = 0, backend=None) -> Work:
+    return _core.send(_b(tensor), dst, group, tag, True, backend)
+
+
+def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None) -> Work:
+    return _core.recv(_b(tensor), src, group, tag, True, backend)
+
+
+# --- collectives ---------------------------------------------------------------------------
+def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
+    return _core.broadcast(_b(tensor), src, group, async_op, backend)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None):
+    return _core.all_reduce(_b(tensor), op, group, async_op, backend)
+
+
+def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
+           backend=None):
+    return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None):
+    return _core.all_gather(_bs(tensor_list, "tensor_list"), _b(tensor), group, async_op, backend)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
+                           backend=None):
+    return _core.all_gather_into_tensor(_b(output_tensor), _b(input_tensor), group, async_op,
+                                        backend)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                   backend=None):
+    return _core.reduce_scatter(_b(output), _bs(input_list, "input_list"), op, group, async_op,
+                                backend)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                          backend=None):
+    return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False, backend=None):
+    return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,
+                                   group, async_op, backend)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
+               backend=None):
+    return _core.all_to_all(_bs(output_tensor_list, "output_tensor_list"),
+                            _bs(input_tensor_list, "input_tensor_list"), group, async_op, backend)
+
+
+def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
+           backend=None):
+    return _core.gather(_b(tensor), _bs(gather_list, "gather_list"), dst, group, async_op, backend)
+
+
+def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
+            backend=None):
+    return _core.scatter(_b(tensor), _bs(scatter_list, "scatter_list"), src, group, async_op,
+                         backend)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None, backend=None):
+    return _core.barrier(group, async_op, backend)

@@ -1,0 +1,52 @@
+"""torch.Tensor -> mcrdl_core.Buffer, zero-copy.
+
+The general path is DLPack (``Buffer.from_dlpack``). For torch tensors the frontend
+reads the same facts DLPack would carry (address, shape, strides, dtype, device)
+straight from the tensor, which skips allocating and parsing a capsule on every call
+(about 12 µs on this machine); the tensor itself is kept as the owner.
+"""
+from __future__ import annotations
+
+import torch
+
+from mcrdl_core import dtypes as dt
+from mcrdl_core.buffer import CPU, Buffer, Device
+from mcrdl_core.errors import DtypeError, InvalidArgumentError
+
+_DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32: dt.float32,
+           torch.float64: dt.float64, torch.int8: dt.int8, torch.uint8: dt.uint8,
+           torch.int16: dt.int16, torch.int32: dt.int32, torch.int64: dt.int64,
+           torch.bool: dt.bool_, torch.complex64: dt.complex64, torch.complex128: dt.complex128}
+
+
+def to_buffer(t) -> Buffer:
+    if not isinstance(t, torch.Tensor):
+        if t is None:
+            raise InvalidArgumentError("expected a torch.Tensor, got None")
+        return Buffer.from_dlpack(t) if hasattr(t, "__dlpack__") else _bad(t)
+    try:
+        dtype = _DTYPES[t.dtype]
+    except KeyError:
+        raise DtypeError(f"torch dtype {t.dtype} is not supported; use one of "
+                         f"{[d.name for d in dt.SUPPORTED]}") from None
+    dev = t.device
+    if dev.type == "cpu":
+        device = CPU
+    elif dev.type == "cuda":
+        device = Device("cuda", dev.index or 0)
+    else:
+        raise InvalidArgumentError(f"tensors on {dev} are not supported; use CPU or CUDA tensors")
+    strides = None if t.is_contiguous() else tuple(t.stride())
+    return Buffer(t.data_ptr(), tuple(t.shape), dtype, device, strides, False, t)
+
+
+def _bad(obj):
+    raise InvalidArgumentError(f"expected a torch.Tensor, got {type(obj).__name__}")
+
+
+def to_buffers(ts, what: str) -> list:
+    if ts is None:
+        return None
+    if isinstance(ts, torch.Tensor) or not hasattr(ts, "__iter__"):
+        raise InvalidArgumentError(f"{what} must be a list of tensors, got {type(ts).__name__}")
+    return [to_buffer(t) for t in ts]

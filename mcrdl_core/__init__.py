@@ -1,0 +1,43 @@
+"""MCR-DL core: framework-agnostic buffers, backends, selection and the progress engine.
+
+This package imports neither torch nor jax; cupy is imported only inside functions that
+handle CUDA buffers. Frontends (``mcrdl_torch``, ``mcrdl_jax``) convert their tensors
+to :class:`Buffer` and call the functions below.
+"""
+from . import dtypes
+from .api import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
+                  barrier, broadcast, gather, irecv, isend, recv, reduce, reduce_scatter,
+                  reduce_scatter_tensor, scatter, send)
+from .backend import Backend, register_backend
+from .buffer import CPU, Buffer, Device, as_buffer
+from .errors import (BackendUnavailableError, CommTimeoutError, DtypeError, InvalidArgumentError,
+                     McrdlError, MismatchError, NotInitializedError, TableError, UnsupportedError)
+from .group import Group
+from .ops import Op, ReduceOp
+from .runtime import Runtime, destroy, get_runtime, init, is_initialized
+from .selection import TuningTable
+from .work import CompletedWork, Work
+
+__version__ = "0.1.0"
+
+
+def get_rank(group=None) -> int:
+    """This process's rank in ``group`` (world by default); -1 if not a member."""
+    rt = get_runtime()
+    return rt.rank if group is None else group.rank
+
+
+def get_world_size(group=None) -> int:
+    rt = get_runtime()
+    return rt.world_size if group is None else group.size
+
+
+def new_group(ranks=None, name=None, backend=None) -> Group:
+    """Collective over the world (as torch.distributed.new_group): every rank calls it.
+    ``backend`` becomes the default of calls on this group."""
+    return get_runtime().new_group(ranks, name, backend)
+
+
+def available_backends() -> dict:
+    """{backend name: None if usable here, else the reason it is not}."""
+    return get_runtime().available_backends()

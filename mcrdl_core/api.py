@@ -1,0 +1,278 @@
+"""The public calls of the core, on anything DLPack can describe (numpy, torch, jax,
+cupy arrays or Buffers). Names, arguments and semantics follow torch.distributed:
+``src``/``dst`` are global ranks, collectives work in place where torch's do, and
+``async_op=True`` returns a Work (``wait()``, ``is_completed()``), else None.
+"""
+from __future__ import annotations
+
+from . import debug as _debug
+from . import validate as _v
+from .buffer import Buffer
+from .ops import Op, ReduceOp
+from .runtime import get_runtime
+
+
+def _prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
+    rt = get_runtime()
+    g = rt.group(group)
+    if reduce_op is not None:
+        reduce_op = ReduceOp.coerce(reduce_op)
+        _v.reduce_op(reduce_op, buf.dtype)
+    be = rt.select(op, g, buf, backend, reduce_op, nbytes)
+    return rt, g, be, reduce_op
+
+
+def _xp_copy(dst: Buffer, src_arr) -> None:
+    d = dst.array()
+    d[...] = src_arr.reshape(d.shape)
+
+
+def _concat(bufs, total: int) -> Buffer:
+    tmp = Buffer.empty((total,), bufs[0].dtype, bufs[0].device)
+    t = tmp.array()
+    off = 0
+    for b in bufs:
+        t[off:off + b.numel] = b.array().reshape(-1)
+        off += b.numel
+    return tmp
+
+
+def _scatter_into(tmp: Buffer, outs) -> None:
+    t = tmp.array()
+    off = 0
+    for b in outs:
+        _xp_copy(b, t[off:off + b.numel])
+        off += b.numel
+
+
+# --- point to point ------------------------------------------------------------------------
+def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, backend=None):
+    buf = _v.input(tensor, "tensor")
+    rt, g, be, _ = _prepare(Op.SEND, group, buf, backend)
+    peer = g.group_rank(dst, "dst")
+    spans = rt.order(reads=(buf,))
+    return rt.finish(be.send(g, buf, peer, int(tag)), spans, async_op)
+
+
+def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: bool = False,
+         backend=None):
+    """Receive into ``tensor``. Blocking: returns the sender's global rank; async: a Work
+    whose ``result()`` is that rank. ``src=None`` receives from any rank."""
+    buf = _v.output(tensor, "tensor")
+    rt, g, be, _ = _prepare(Op.RECV, group, buf, backend)
+    peer = None if src is None else g.group_rank(src, "src")
+    spans = rt.order(writes=(buf,))
+    work = be.recv(g, buf, peer, int(tag))
+    work.add_finalizer(lambda: setattr(work, "_result", g.global_rank(work._result)))
+    rt.finish(work, spans, async_op)
+    return work if async_op else work._result
+
+
+def isend(tensor, dst: int, group=None, tag: int = 0, backend=None):
+    return send(tensor, dst, group, tag, True, backend)
+
+
+def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None):
+    return recv(tensor, src, group, tag, True, backend)
+
+
+# --- rooted and symmetric collectives ------------------------------------------------------
+def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
+    buf = _v.output(tensor, "tensor")
+    rt, g, be, _ = _prepare(Op.BROADCAST, group, buf, backend)
+    root = g.group_rank(src, "src")
+    if rt.debug:
+        _debug.check(rt, g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
+    spans = rt.order(writes=(buf,))
+    return rt.finish(be.broadcast(g, buf, root), spans, async_op)
+
+
+def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
+           backend=None):
+    buf = _v.output(tensor, "tensor")
+    rt, g, be, op = _prepare(Op.REDUCE, group, buf, backend, op)
+    root = g.group_rank(dst, "dst")
+    if rt.debug:
+        _debug.check(rt, g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
+    spans = rt.order(writes=(buf,))
+    return rt.finish(be.reduce(g, buf, root, op), spans, async_op)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None):
+    buf = _v.output(tensor, "tensor")
+    rt, g, be, op = _prepare(Op.ALL_REDUCE, group, buf, backend, op)
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
+    spans = rt.order(writes=(buf,))
+    return rt.finish(be.all_reduce(g, buf, op), spans, async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
+                           backend=None):
+    out = _v.output(output_tensor, "output_tensor")
+    inp = _v.input(input_tensor, "input_tensor")
+    _v.same_kind([out, inp], "all_gather_into_tensor")
+    rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
+    _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
+    spans = rt.order(reads=(inp,), writes=(out,))
+    return rt.finish(be.all_gather(g, out, inp), spans, async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None):
+    outs = [_v.output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
+    inp = _v.input(tensor, "tensor")
+    _v.same_kind(outs + [inp], "all_gather")
+    rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
+    if len(outs) != g.size:
+        raise _v.InvalidArgumentError(f"all_gather: tensor_list has {len(outs)} tensors for a "
+                                      f"group of {g.size}; give one per rank")
+    for i, o in enumerate(outs):
+        _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
+    spans = rt.order(reads=(inp,), writes=outs)
+    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device)
+    work = be.all_gather(g, tmp, inp)
+    work.add_finalizer(lambda: _scatter_into(tmp, outs))
+    return rt.finish(work, spans, async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                          backend=None):
+    out = _v.output(output, "output")
+    inp = _v.input(input, "input")
+    _v.same_kind([out, inp], "reduce_scatter_tensor")
+    rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
+    _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
+    if rt.debug:
+        _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
+    spans = rt.order(reads=(inp,), writes=(out,))
+    return rt.finish(be.reduce_scatter(g, out, inp, op), spans, async_op)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                   backend=None):
+    out = _v.output(output, "output")
+    ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
+    _v.same_kind([out] + ins, "reduce_scatter")
+    rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
+    if len(ins) != g.size:
+        raise _v.InvalidArgumentError(f"reduce_scatter: input_list has {len(ins)} tensors for a "
+                                      f"group of {g.size}; give one per rank")
+    for i, b in enumerate(ins):
+        _v.numel(b, out.numel, f"input_list[{i}]", "each must match the output tensor")
+    if rt.debug:
+        _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
+    spans = rt.order(reads=ins, writes=(out,))
+    tmp = _concat(ins, g.size * out.numel)
+    return rt.finish(be.reduce_scatter(g, out, tmp, op), spans, async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False, backend=None):
+    out = _v.output(output, "output")
+    inp = _v.input(input, "input")
+    _v.same_kind([out, inp], "all_to_all_single")
+    rt = get_runtime()
+    g = rt.group(group)
+    out_counts = _v.splits(output_split_sizes, out, g.size, "output_split_sizes")
+    in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
+    even = len(set(out_counts)) == 1 and len(set(in_counts)) == 1 and out_counts == in_counts
+    nbytes = inp.nbytes if even and not (output_split_sizes or input_split_sizes) else None
+    _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, inp, backend, nbytes=nbytes)
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
+    spans = rt.order(reads=(inp,), writes=(out,))
+    return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts), spans, async_op)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
+               backend=None):
+    outs = [_v.output(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
+    ins = [_v.input(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
+    if not outs or not ins:
+        raise _v.InvalidArgumentError("all_to_all: tensor lists must not be empty")
+    _v.same_kind(outs + ins, "all_to_all")
+    rt = get_runtime()
+    g = rt.group(group)
+    if len(outs) != g.size or len(ins) != g.size:
+        raise _v.InvalidArgumentError(f"all_to_all: {len(outs)} output and {len(ins)} input "
+                                      f"tensors for a group of {g.size}; give one per rank")
+    out_counts = [b.numel for b in outs]
+    in_counts = [b.numel for b in ins]
+    even = len(set(out_counts + in_counts)) == 1
+    _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, ins[0], backend,
+                           nbytes=sum(b.nbytes for b in ins) if even else None)
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
+    spans = rt.order(reads=ins, writes=outs)
+    tmp_in = _concat(ins, sum(in_counts))
+    tmp_out = Buffer.empty((sum(out_counts),), outs[0].dtype, outs[0].device)
+    work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
+    work.add_finalizer(lambda: _scatter_into(tmp_out, outs))
+    return rt.finish(work, spans, async_op)
+
+
+def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
+           backend=None):
+    """Gather ``tensor`` from every rank into ``gather_list`` on ``dst`` (ignored elsewhere)."""
+    inp = _v.input(tensor, "tensor")
+    rt, g, be, _ = _prepare(Op.GATHER, group, inp, backend)
+    root = g.group_rank(dst, "dst")
+    outs = []
+    if g.rank == root:
+        if gather_list is None or len(gather_list) != g.size:
+            raise _v.InvalidArgumentError(f"gather: the destination rank needs a gather_list of "
+                                          f"{g.size} tensors (one per rank of the group)")
+        outs = [_v.output(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
+        _v.same_kind(outs + [inp], "gather")
+        for i, o in enumerate(outs):
+            _v.numel(o, inp.numel, f"gather_list[{i}]", "each must match the input tensor")
+    if rt.debug:
+        _debug.check(rt, g, Op.GATHER, be, inp, root=root, count=inp.numel)
+    spans = rt.order(reads=(inp,), writes=outs)
+    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device) if outs else None
+    work = be.gather(g, tmp, inp, root)
+    if outs:
+        work.add_finalizer(lambda: _scatter_into(tmp, outs))
+    return rt.finish(work, spans, async_op)
+
+
+def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
+            backend=None):
+    """Scatter ``scatter_list`` (given on ``src``) into ``tensor`` on every rank."""
+    out = _v.output(tensor, "tensor")
+    rt, g, be, _ = _prepare(Op.SCATTER, group, out, backend)
+    root = g.group_rank(src, "src")
+    tmp, ins = None, []
+    if g.rank == root:
+        if scatter_list is None or len(scatter_list) != g.size:
+            raise _v.InvalidArgumentError(f"scatter: the source rank needs a scatter_list of "
+                                          f"{g.size} tensors (one per rank of the group)")
+        ins = [_v.input(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
+        _v.same_kind(ins + [out], "scatter")
+        for i, b in enumerate(ins):
+            _v.numel(b, out.numel, f"scatter_list[{i}]", "each must match the output tensor")
+    if rt.debug:
+        _debug.check(rt, g, Op.SCATTER, be, out, root=root, count=out.numel)
+    spans = rt.order(reads=ins, writes=(out,))
+    if ins:
+        tmp = _concat(ins, g.size * out.numel)
+    return rt.finish(be.scatter(g, out, tmp, root), spans, async_op)
+
+
+_BARRIER_BUF = None
+
+
+def barrier(group=None, async_op: bool = False, backend=None):
+    global _BARRIER_BUF
+    if _BARRIER_BUF is None:
+        import numpy as np
+
+        _BARRIER_BUF = Buffer.from_numpy(np.zeros(1, dtype=np.uint8))
+    rt, g, be, _ = _prepare(Op.BARRIER, group, _BARRIER_BUF, backend)
+    if rt.debug:
+        _debug.check(rt, g, Op.BARRIER, be, _BARRIER_BUF)
+    return rt.finish(be.barrier(g), [], async_op)

@@ -1,0 +1,79 @@
+"""Debug mode (MCRDL_DEBUG=1): compare a collective's arguments across ranks first.
+
+Before each collective every member contributes a small int64 signature (op, backend,
+dtype, device, reduce op, root, per-rank element count and, for all-to-all, its split
+counts). The signatures are all-gathered on a control backend (MPI when available,
+else Gloo) that does not depend on what the call chose, so every rank sees the same
+table and raises the same MismatchError naming the ranks that differ, instead of
+hanging or corrupting memory. Point-to-point calls are not checked (only two ranks
+take part; a mismatch there is reported by the timeout).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import dtypes as _dt
+from .backend import REGISTRY
+from .buffer import Buffer
+from .errors import MismatchError
+from .ops import Op, ReduceOp
+
+_OPS = list(Op)
+_REDUCE = list(ReduceOp)
+_FIELDS = ("op", "backend", "dtype", "device", "reduce op", "root", "elements per rank")
+
+
+def _backend_names():
+    return sorted(REGISTRY)
+
+
+def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n):
+    head = [_OPS.index(op), _backend_names().index(backend), _dt.ALL.index(dtype),
+            0 if device.kind == "cpu" else 1, -1 if reduce_op is None else _REDUCE.index(reduce_op),
+            -1 if root is None else root, -1 if count is None else count]
+    tail = [0] * (2 * n)
+    if counts is not None:
+        out_counts, in_counts = counts
+        tail = list(out_counts) + list(in_counts)
+    return np.array(head + tail, dtype=np.int64)
+
+
+def _decode(row, field):
+    i = _FIELDS.index(field)
+    v = int(row[i])
+    return {
+        "op": lambda: _OPS[v].value,
+        "backend": lambda: _backend_names()[v],
+        "dtype": lambda: _dt.ALL[v].name,
+        "device": lambda: ("cpu", "cuda")[v],
+        "reduce op": lambda: "-" if v < 0 else _REDUCE[v].name,
+    }.get(field, lambda: v)()
+
+
+def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None, counts=None):
+    n = group.size
+    if n == 1:
+        return
+    mine = _encode(op, backend.name, buf.dtype, buf.device, reduce_op, root, count, counts, n)
+    ctrl = rt.backend("mpi" if rt.unavailable_reason("mpi") is None else "gloo")
+    inp = Buffer.from_numpy(mine)
+    table = np.zeros((n, mine.size), dtype=np.int64)
+    rt.engine.wait([ctrl.all_gather(group, Buffer.from_numpy(table), inp)])
+    problems = []
+    for r in range(1, n):
+        for j, field in enumerate(_FIELDS):
+            if table[r, j] != table[0, j]:
+                problems.append(f"group rank {r} (global {group.ranks[r]}) has {field} "
+                                f"{_decode(table[r], field)} where group rank 0 has "
+                                f"{_decode(table[0], field)}")
+    if counts is not None:
+        out_m, in_m = table[:, 7:7 + n], table[:, 7 + n:]
+        for i in range(n):
+            for j in range(n):
+                if in_m[i, j] != out_m[j, i]:
+                    problems.append(f"group rank {i} sends {in_m[i, j]} elements to group rank "
+                                    f"{j}, which expects {out_m[j, i]}")
+    if problems:
+        raise MismatchError(f"mcrdl debug: {op} on {group.describe()} called inconsistently: "
+                            + "; ".join(problems[:8]) + ". Make every rank pass the same "
+                            "shape, dtype, root and backend.")

@@ -1,0 +1,42 @@
+"""Error types of MCR-DL.
+
+Every error subclasses both :class:`McrdlError` and the familiar Python base that a
+caller would catch anyway (``ValueError``, ``TypeError``, ``RuntimeError``,
+``TimeoutError``). Messages say what went wrong *and* what to do about it.
+"""
+
+
+class McrdlError(Exception):
+    """Base class of every error raised by MCR-DL."""
+
+
+class InvalidArgumentError(McrdlError, ValueError):
+    """A call's arguments are wrong (sizes, splits, ranks, layout); nothing was sent."""
+
+
+class DtypeError(McrdlError, TypeError):
+    """A dtype MCR-DL (or the chosen backend) cannot handle; nothing was sent."""
+
+
+class UnsupportedError(McrdlError, ValueError):
+    """The chosen backend cannot do this op / dtype / device / reduce-op combination."""
+
+
+class BackendUnavailableError(McrdlError, RuntimeError):
+    """A backend was named that is not installed or cannot run here."""
+
+
+class CommTimeoutError(McrdlError, TimeoutError):
+    """A wait ran past its timeout; the message names the op, group, backend and rank."""
+
+
+class TableError(McrdlError, ValueError):
+    """A tuning table file is malformed; the message names the file and the reason."""
+
+
+class MismatchError(McrdlError, RuntimeError):
+    """Debug mode found ranks that disagree on a collective's shape, dtype or backend."""
+
+
+class NotInitializedError(McrdlError, RuntimeError):
+    """The runtime was used after ``destroy()``."""

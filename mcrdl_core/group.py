@@ -1,0 +1,48 @@
+"""Groups of ranks.
+
+A Group is a set of global ranks with this process's position in it. It lazily holds
+one communicator per backend (MPI sub-communicator, Gloo process group, NCCL
+communicator), created on first use by the group's members and then cached: never one
+per call. As in torch.distributed, ``new_group`` must be called by every rank of the
+world, in the same order, with the same ranks, even by ranks that are not members.
+"""
+from __future__ import annotations
+
+from .errors import InvalidArgumentError
+
+
+class Group:
+    def __init__(self, gid: int, ranks, my_global_rank: int, name: str | None = None):
+        self.id = gid
+        self.ranks = tuple(int(r) for r in ranks)
+        self.size = len(self.ranks)
+        self._index = {r: i for i, r in enumerate(self.ranks)}
+        self.rank = self._index.get(my_global_rank, -1)  # -1: not a member
+        self.name = name or ("world" if gid == 0 else f"group{gid}")
+        self.comms: dict = {}  # backend name -> that backend's communicator
+        self.backend: str | None = None  # default backend of calls on this group
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        """Position of a global rank in this group; clear error if it is not in it."""
+        try:
+            return self._index[int(global_rank)]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"{what} {global_rank!r} is not in {self.describe()}; ranks are global ranks, "
+                "as in torch.distributed (use get_global_rank(group, i) to convert)") from None
+
+    def global_rank(self, group_rank: int) -> int:
+        if not 0 <= group_rank < self.size:
+            raise InvalidArgumentError(f"group rank {group_rank} is outside {self.describe()}")
+        return self.ranks[group_rank]
+
+    def describe(self) -> str:
+        shown = list(self.ranks) if self.size <= 16 else f"{self.size} ranks"
+        return f"group '{self.name}' (ranks {shown})"
+
+    def __repr__(self) -> str:
+        return f"<Group {self.name} ranks={list(self.ranks)} rank={self.rank}>"

@@ -1,0 +1,113 @@
+"""The progress engine: the rule that makes mixing libraries deadlock-free.
+
+No wait ever blocks inside one library while work of another is in flight. Every
+wait is a loop that polls *all* in-flight work of *all* backends — MPI requests in one
+``Testsome`` call (which is also what drives MPI's progress), Gloo works'
+``is_completed()``, CUDA events' ``query()`` — until the awaited work is done or the
+timeout passes, which raises :class:`CommTimeoutError` naming op, group, backend and
+rank instead of hanging.
+
+Polling cost: the loop spins for ``MCRDL_SPIN_US`` µs (default 100), then yields the
+CPU (``sleep(0)``) for 2 ms, then sleeps with a backoff capped at 1 ms, so that
+oversubscribed ranks (3 ranks on 2 cores) leave the CPU to the rank doing the work.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from .errors import CommTimeoutError
+
+log = logging.getLogger("mcrdl.progress")
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class ProgressEngine:
+    def __init__(self):
+        self.inflight: list = []
+        self.rank = 0
+        self.timeout = float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT_S))
+        self.spin_s = float(os.environ.get("MCRDL_SPIN_US", 100)) * 1e-6
+
+    # --- registry -----------------------------------------------------------------------
+    def add(self, work) -> None:
+        if not work._done:
+            work.engine = self
+            self.inflight.append(work)
+
+    def discard(self, work) -> None:
+        try:
+            self.inflight.remove(work)
+        except ValueError:
+            pass
+
+    def backends_in_flight(self) -> set:
+        return {w.backend for w in self.inflight}
+
+    # --- polling ------------------------------------------------------------------------
+    def progress(self) -> None:
+        """Poll every in-flight work once, batched per work class."""
+        inflight = self.inflight
+        if not inflight:
+            return
+        if len(inflight) == 1:
+            inflight[0].test()
+            return
+        batches: dict = {}
+        for w in inflight:
+            batches.setdefault(type(w), []).append(w)
+        for cls, works in batches.items():
+            try:
+                cls.poll_many(works)
+            except BaseException as exc:  # a library error: attach it to the batch
+                for w in works:
+                    w._complete(exc)
+
+    def wait(self, works, timeout: float | None = None) -> None:
+        """Drive all backends until every work in ``works`` is complete."""
+        pending = [w for w in works if not w._done]
+        if not pending:
+            return
+        for w in pending:
+            if w.engine is None:
+                self.add(w)
+        timeout = self.timeout if timeout is None else timeout
+        start = time.perf_counter()
+        spin_until = start + self.spin_s
+        yield_until = start + 0.002
+        nap = 1e-5
+        while True:
+            self.progress()
+            if all(w._done for w in pending):
+                return
+            now = time.perf_counter()
+            if now - start > timeout:
+                raise CommTimeoutError(self.diagnose(pending, timeout))
+            if now < spin_until:
+                continue
+            if now < yield_until:
+                time.sleep(0)
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, 1e-3)
+
+    def diagnose(self, pending, timeout: float) -> str:
+        w = next(x for x in pending if not x._done)
+        group = getattr(w.group, "describe", lambda: str(w.group))()
+        others = [repr(x) for x in self.inflight if x is not w][:8]
+        return (
+            f"mcrdl: rank {self.rank}: {w.op} on {group} via backend '{w.backend}' "
+            f"{w.desc + ' ' if w.desc else ''}did not complete within {timeout:g} s. "
+            f"Other work in flight on this rank: {others or 'none'}. "
+            "Most likely a rank of the group did not make the matching call, or made it "
+            "with another size, root or backend: run with MCRDL_DEBUG=1 to check the "
+            "arguments across ranks, or raise MCRDL_TIMEOUT if the op is just slow.")
+
+
+_ENGINE = ProgressEngine()
+
+
+def engine() -> ProgressEngine:
+    return _ENGINE

@@ -1,0 +1,225 @@
+"""The runtime: bootstrap, groups, backend instances, selection, and issuing calls.
+
+One Runtime per process (``get_runtime()``), created on first use or by ``init()``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import bootstrap as _bootstrap
+from .backend import backend_class
+from .dtypes import dtype_class
+from .errors import (BackendUnavailableError, InvalidArgumentError, NotInitializedError,
+                     UnsupportedError)
+from .group import Group
+from .progress import engine as _engine
+from .selection import POLICY, TuningTable, parse_override, table_from_env
+
+log = logging.getLogger("mcrdl.runtime")
+
+
+def _truthy(text: str | None) -> bool:
+    return (text or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Runtime:
+    def __init__(self, *, timeout: float | None = None, debug: bool | None = None,
+                 table: TuningTable | str | None = None):
+        self.bootstrap = _bootstrap.create()
+        self.rank = self.bootstrap.rank
+        self.world_size = self.bootstrap.size
+        self.engine = _engine()
+        self.engine.rank = self.rank
+        if timeout is not None:
+            self.engine.timeout = float(timeout)
+        self.debug = _truthy(os.environ.get("MCRDL_DEBUG")) if debug is None else debug
+        self.override = parse_override(os.environ.get("MCRDL_BACKEND"))
+        if isinstance(table, str):
+            table = TuningTable.load(table)
+        self.table = table if table is not None else table_from_env()
+        self.world = Group(0, range(self.world_size), self.rank, "world")
+        self.groups = [self.world]
+        self._backends: dict = {}
+        self._unavailable: dict = {}
+        self._choice: dict = {}  # memoized selections
+        self.alive = True
+
+    # --- backends -----------------------------------------------------------------------
+    def unavailable_reason(self, name: str) -> str | None:
+        if name in self._backends:
+            return None
+        if name not in self._unavailable:
+            try:
+                cls = backend_class(name)
+                self._unavailable[name] = cls.unavailable_reason(self.bootstrap)
+            except BackendUnavailableError as exc:
+                self._unavailable[name] = str(exc)
+        return self._unavailable[name]
+
+    def available_backends(self) -> dict:
+        """{name: None if usable here else the reason it is not}."""
+        from .backend import REGISTRY
+
+        return {name: self.unavailable_reason(name) for name in REGISTRY}
+
+    def backend(self, name: str):
+        be = self._backends.get(name)
+        if be is not None:
+            return be
+        reason = self.unavailable_reason(name)
+        if reason is not None:
+            usable = [n for n, r in self.available_backends().items() if r is None]
+            raise BackendUnavailableError(f"backend {name!r} is not available: {reason}. "
+                                          f"Available here: {usable}")
+        be = self._backends[name] = backend_class(name)(self)
+        return be
+
+    def set_table(self, table: TuningTable | str | None) -> None:
+        self.table = TuningTable.load(table) if isinstance(table, str) else table
+        self._choice.clear()
+
+    def select(self, op, group: Group, buf, backend: str | None, reduce_op=None,
+               nbytes: int | None = -1):
+        """The Backend instance for one call (explicit > MCRDL_BACKEND > table > policy)."""
+        if nbytes == -1:
+            nbytes = buf.nbytes
+        if backend is None:
+            backend = group.backend  # new_group(..., backend=) / init(backend=) default
+        device, dtype = buf.device, buf.dtype
+        explicit = backend not in (None, "auto")
+        if explicit or not self.table:
+            key = (backend, op, device.kind, dtype, reduce_op)
+            be = self._choice.get(key)
+            if be is not None:
+                return be
+        name = backend if explicit else (self.override.get(op.value) or self.override.get("*"))
+        if name is not None:
+            be = self.backend(name)
+            reason = be.unsupported_reason(op, device, dtype, reduce_op)
+            if reason:
+                raise UnsupportedError(f"{reason}. Backends that can: "
+                                       f"{self._capable(op, device, dtype, reduce_op)}")
+        else:
+            be = None
+            if self.table is not None:
+                hit = self.table.lookup(op.value, group.size, device.kind, dtype_class(dtype),
+                                        nbytes)
+                if hit is not None and self.unavailable_reason(hit) is None:
+                    cand = self.backend(hit)
+                    if cand.unsupported_reason(op, device, dtype, reduce_op) is None:
+                        be = cand
+            if be is None:
+                capable = self._capable(op, device, dtype, reduce_op)
+                if not capable:
+                    raise UnsupportedError(
+                        f"no available backend can do {op} on {dtype.name} {device.kind} buffers"
+                        f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
+                        f"{self.available_backends()}")
+                be = self.backend(capable[0])
+        if explicit or not self.table:
+            self._choice[(backend, op, device.kind, dtype, reduce_op)] = be
+        return be
+
+    def _capable(self, op, device, dtype, reduce_op) -> list:
+        names = [n for n in POLICY.get(device.kind, ()) if self.unavailable_reason(n) is None]
+        return [n for n in names
+                if self.backend(n).unsupported_reason(op, device, dtype, reduce_op) is None]
+
+    # --- groups -------------------------------------------------------------------------
+    def new_group(self, ranks=None, name: str | None = None, backend: str | None = None) -> Group:
+        """Collective over the world, like torch.distributed.new_group."""
+        if ranks is None:
+            ranks = range(self.world_size)
+        ranks = list(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if bad:
+            raise InvalidArgumentError(f"new_group: ranks {bad} are outside the world of "
+                                       f"{self.world_size} ranks (0..{self.world_size - 1})")
+        if len(set(ranks)) != len(ranks) or not ranks:
+            raise InvalidArgumentError(f"new_group: ranks {ranks} must be distinct and non-empty")
+        g = Group(len(self.groups), ranks, self.rank, name)
+        g.backend = backend
+        self.groups.append(g)
+        return g
+
+    def group(self, group) -> Group:
+        """Resolve None to the world and check that this rank is a member."""
+        self.check_alive()
+        if group is None:
+            return self.world
+        if not isinstance(group, Group):
+            group = getattr(group, "mcrdl_group", group)
+            if not isinstance(group, Group):
+                raise InvalidArgumentError(f"group must be a group from new_group(), got "
+                                           f"{type(group).__name__}")
+        if not group.is_member:
+            raise InvalidArgumentError(f"rank {self.rank} is not a member of {group.describe()}; "
+                                       "only members may call collectives on it")
+        return group
+
+    # --- issuing ------------------------------------------------------------------------
+    def order(self, reads=(), writes=()) -> list:
+        """Wait (through the progress loop) for in-flight work whose memory conflicts with
+        this call's: read-after-write, write-after-read, write-after-write. Returns the
+        spans to record on the new work."""
+        spans = [(*b.span(), False) for b in reads] + [(*b.span(), True) for b in writes]
+        inflight = self.engine.inflight
+        if inflight:
+            hazards = [w for w in inflight
+                       if any((wa or wb) and a < d and c < b
+                              for a, b, wa in w.spans for c, d, wb in spans)]
+            if hazards:
+                self.engine.wait(hazards)
+        return spans
+
+    def finish(self, work, spans, async_op: bool):
+        """Register the work; return it (async) or wait for it (blocking)."""
+        work.spans = spans
+        if async_op:
+            self.engine.add(work)
+            return work
+        work.wait()
+        return None
+
+    def check_alive(self):
+        if not self.alive:
+            raise NotInitializedError("the MCR-DL runtime was destroyed; call init() again")
+
+    def destroy(self) -> None:
+        if not self.alive:
+            return
+        if self.engine.inflight:
+            self.engine.wait(list(self.engine.inflight))
+        for be in self._backends.values():
+            be.destroy()
+        self._backends.clear()
+        for g in self.groups:
+            g.comms.clear()
+        self.alive = False
+
+
+_RUNTIME: Runtime | None = None
+
+
+def init(**kwargs) -> Runtime:
+    """Create the process's runtime (idempotent). Keywords: timeout (s), debug, table."""
+    global _RUNTIME
+    if _RUNTIME is None or not _RUNTIME.alive:
+        _RUNTIME = Runtime(**kwargs)
+    return _RUNTIME
+
+
+def get_runtime() -> Runtime:
+    return _RUNTIME if _RUNTIME is not None and _RUNTIME.alive else init()
+
+
+def is_initialized() -> bool:
+    return _RUNTIME is not None and _RUNTIME.alive
+
+
+def destroy() -> None:
+    global _RUNTIME
+    if _RUNTIME is not None:
+        _RUNTIME.destroy()
+    _RUNTIME = None

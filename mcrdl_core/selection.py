@@ -1,0 +1,137 @@
+"""Which backend runs a call: explicit argument > MCRDL_BACKEND > tuning table > policy.
+
+Tuning table (JSON, never pickle)::
+
+    {"schema": "mcrdl.tuning/1",
+     "machine": {"host": "...", ...},                  # informational
+     "entries": [{"op": "all_reduce", "world_size": 2, "device": "cpu",
+                  "dtype_class": "float",
+                  "ranges": [[4096, "mpi"], [null, "gloo"]]}]}
+
+``ranges`` is sorted by ``max_bytes``; a message of ``b`` bytes takes the first range
+with ``b <= max_bytes`` (``null`` = no upper bound), found by bisect. A lookup miss
+(other op, world size, device or a size past the last bound) falls back to the policy.
+
+The message size used for lookup is the per-rank payload, the same on every rank so
+that every rank picks the same backend: the buffer for all_reduce, broadcast, reduce,
+send/recv; the input for all_gather, gather and even all_to_all; the output for
+reduce_scatter and scatter. Uneven all_to_all sizes differ per rank, so it uses the
+largest range listed for the op (documented, rank-consistent).
+
+Policy without a table: CUDA buffers prefer nccl, then mpi, then gloo; host buffers
+prefer mpi, then gloo (MPI's shared-memory transport is the faster of the two on one
+node in ``make demo``'s measurements); the first backend that is available and can do
+the op/dtype wins.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+
+from .errors import TableError
+
+log = logging.getLogger("mcrdl.selection")
+
+SCHEMA = "mcrdl.tuning/1"
+POLICY = {"cuda": ("nccl", "mpi", "gloo"), "cpu": ("mpi", "gloo")}
+
+
+class TuningTable:
+    """A validated, indexed tuning table."""
+
+    def __init__(self, data: dict, path: str = "<dict>"):
+        self.path = path
+        self.data = data
+        self.index: dict = {}
+        self._validate_and_index()
+
+    def _fail(self, reason: str):
+        raise TableError(f"tuning table {self.path}: {reason}; rebuild it with the tuning "
+                         "suite or remove it (MCRDL_TUNING_TABLE) to use the default policy")
+
+    def _validate_and_index(self):
+        d = self.data
+        if not isinstance(d, dict):
+            self._fail("top level must be a JSON object")
+        if d.get("schema") != SCHEMA:
+            self._fail(f"schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+        entries = d.get("entries")
+        if not isinstance(entries, list):
+            self._fail("'entries' must be a list")
+        for i, e in enumerate(entries):
+            where = f"entry {i}"
+            if not isinstance(e, dict):
+                self._fail(f"{where} is not an object")
+            for k, typ in (("op", str), ("world_size", int), ("device", str),
+                           ("dtype_class", str), ("ranges", list)):
+                if not isinstance(e.get(k), typ):
+                    self._fail(f"{where}: field {k!r} missing or not a {typ.__name__}")
+            maxes, names = [], []
+            for j, r in enumerate(e["ranges"]):
+                if (not isinstance(r, list) or len(r) != 2 or not isinstance(r[1], str)
+                        or not (r[0] is None or isinstance(r[0], int))):
+                    self._fail(f"{where} range {j}: expected [max_bytes or null, backend]")
+                if maxes and (maxes[-1] is None or (r[0] is not None and r[0] <= maxes[-1])):
+                    self._fail(f"{where} range {j}: max_bytes must increase, null only last")
+                maxes.append(r[0])
+                names.append(r[1])
+            if not maxes:
+                self._fail(f"{where}: no ranges")
+            key = (e["op"], e["world_size"], e["device"], e["dtype_class"])
+            bounds = [m if m is not None else float("inf") for m in maxes]
+            self.index[key] = (bounds, names)
+
+    @classmethod
+    def load(cls, path: str) -> "TuningTable":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise TableError(f"tuning table {path}: cannot read it ({exc.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TableError(f"tuning table {path}: not valid JSON ({exc}); rebuild it with "
+                             "the tuning suite") from None
+        return cls(data, path)
+
+    def lookup(self, op: str, world_size: int, device: str, dtype_class: str,
+               nbytes: int | None) -> str | None:
+        """Backend name, or None on a miss. ``nbytes=None`` takes the largest range."""
+        hit = self.index.get((op, world_size, device, dtype_class))
+        if hit is None:
+            return None
+        bounds, names = hit
+        if nbytes is None:
+            return names[-1]
+        i = bisect.bisect_left(bounds, nbytes)
+        return names[i] if i < len(names) else None
+
+
+def parse_override(text: str | None) -> dict:
+    """MCRDL_BACKEND: 'mpi' (every op) or 'all_reduce=gloo,all_to_all=mpi'."""
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        op, eq, name = part.partition("=")
+        if eq:
+            out[op.strip()] = name.strip()
+        else:
+            out["*"] = part
+    return out
+
+
+def table_from_env() -> TuningTable | None:
+    """Load MCRDL_TUNING_TABLE if set. A bad file is warned about, never fatal."""
+    path = os.environ.get("MCRDL_TUNING_TABLE")
+    if not path:
+        return None
+    try:
+        return TuningTable.load(path)
+    except TableError as exc:
+        log.warning("%s -- continuing with the default policy", exc)
+        return None

@@ -1,0 +1,151 @@
+"""Work: the handle of one communication call.
+
+Every backend returns a subclass. A Work is *polled*, never blocked on: ``test()``
+asks the library whether it is done without waiting, and ``wait()`` hands the work to
+the progress engine, whose loop polls all in-flight work of all backends (see
+``progress.py``). Finalizers (copy out of a staging buffer, cast back from an upcast,
+divide for AVG) run once, on the calling thread, when the library reports completion.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Work:
+    """Base class. Subclasses implement ``_poll()`` (non-blocking) and, for batching,
+    may set ``poll_group`` and implement ``poll_many``."""
+
+    #: works with the same poll_group are polled together by ``poll_many``
+    poll_group: str = "generic"
+
+    def __init__(self, backend: str, op, group=None, *, finalize: Callable | None = None,
+                 spans=(), result=None, desc: str = ""):
+        self.backend = backend
+        self.op = op
+        self.group = group
+        self.desc = desc
+        self._finalizers = [finalize] if finalize else []
+        self.spans = spans  # ((lo, hi, writes), ...) for memory-overlap ordering
+        self._done = False
+        self._error: BaseException | None = None
+        self._result = result
+        self.engine = None  # set when registered in flight
+
+    # --- backend hooks ------------------------------------------------------------------
+    def _poll(self) -> bool:
+        """True once the library has finished. Must not block."""
+        raise NotImplementedError
+
+    @classmethod
+    def poll_many(cls, works: list["Work"]) -> None:
+        """Poll a batch of works of this class; default polls one by one."""
+        for w in works:
+            if not w._done and w._poll():
+                w._complete()
+
+    # --- state --------------------------------------------------------------------------
+    def add_finalizer(self, fn: Callable) -> None:
+        if self._done:
+            fn()
+        else:
+            self._finalizers.append(fn)
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._error = error
+        if error is None:
+            try:
+                for fn in self._finalizers:
+                    fn()
+            except BaseException as exc:  # surfaced at wait()
+                self._error = exc
+        self._finalizers = []
+        if self.engine is not None:
+            self.engine.discard(self)
+
+    def test(self) -> bool:
+        """Non-blocking: True when complete (drives this work's library once)."""
+        if not self._done:
+            try:
+                if self._poll():
+                    self._complete()
+            except BaseException as exc:
+                self._complete(exc)
+        return self._done
+
+    def is_completed(self) -> bool:
+        return self.test()
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block (polling every backend's in-flight work) until done; re-raise its error.
+
+        ``timeout`` in seconds; None means the runtime default (``MCRDL_TIMEOUT``).
+        """
+        if not self._done:
+            from .progress import engine
+
+            if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
+                timeout = timeout.total_seconds()
+            engine().wait([self], timeout)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def result(self):
+        """The op's result once complete (e.g. the source rank of a recv)."""
+        self.wait()
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "in flight"
+        return f"<Work {self.op} via {self.backend} {self.desc} ({state})>"
+
+
+class CompletedWork(Work):
+    """Work that finished when it was issued (world size 1, local ops)."""
+
+    def __init__(self, backend: str, op, group=None, result=None):
+        super().__init__(backend, op, group, result=result)
+        self._done = True
+
+    def _poll(self) -> bool:
+        return True
+
+
+class ThreadWork(Work):
+    """Work done by a helper thread (a library call that can only block, such as a
+    rendezvous). The progress loop keeps driving other libraries meanwhile."""
+
+    poll_group = "thread"
+
+    def __init__(self, backend: str, op, fn: Callable, group=None, desc: str = ""):
+        import threading
+
+        super().__init__(backend, op, group, desc=desc)
+        self._value = None
+        self._exc = None
+
+        def run():
+            try:
+                self._value = fn()
+            except BaseException as exc:
+                self._exc = exc
+
+        self._thread = threading.Thread(target=run, name=f"mcrdl-{desc or op}", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> bool:
+        if self._thread.is_alive():
+            return False
+        if self._exc is not None:
+            raise self._exc
+        self._result = self._value
+        return True
