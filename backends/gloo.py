@@ -155,28 +155,34 @@ class GlooBackend(Backend):
     def _work(self, op, group, twork, bufs, finalize=None, desc=""):
         return GlooWork(op, group, twork, bufs, finalize, desc)
 
+    @staticmethod
+    def _waited(op, group, twork, keep, result=None, finalize=None, desc=""):
+        """For Gloo works that only report completion from inside wait() (send, recv and
+        reduce-scatter in torch 2.x): a helper thread waits (torch releases the GIL
+        there) and the progress loop polls the thread like any other work."""
+        def run():
+            twork.wait()
+            assert keep is not None  # buffers stay referenced until the data has landed
+            return result() if result else None
+
+        work = ThreadWork("gloo", op, run, group, desc=desc)
+        if finalize:
+            work.add_finalizer(finalize)
+        return work
+
     # --- point to point -----------------------------------------------------------------
-    # Gloo's send/recv works report is_completed() only after wait() has run, so they
-    # cannot be polled: each is waited on by a helper thread (torch releases the GIL in
-    # wait()), and the progress loop polls that thread like any other work.
     def send(self, group, buf, dst, tag):
         t = tensor(buf)
-        tw = self.comm(group).send([t], dst, tag)
-        return ThreadWork("gloo", Op.SEND, lambda: (tw.wait(), buf, t), group,
-                          desc=f"to group rank {dst}")
+        return self._waited(Op.SEND, group, self.comm(group).send([t], dst, tag), (buf, t),
+                            desc=f"to group rank {dst}")
 
     def recv(self, group, buf, src, tag):
         t = tensor(buf)
         pg = self.comm(group)
         tw = pg.recv_anysource([t], tag) if src is None else pg.recv([t], src, tag)
-
-        def wait_source():
-            tw.wait()
-            assert buf is not None and t is not None  # both stay alive until the data landed
-            return tw._source_rank() if src is None else src
-
-        return ThreadWork("gloo", Op.RECV, wait_source, group,
-                          desc=f"from group rank {'any' if src is None else src}")
+        return self._waited(Op.RECV, group, tw, (buf, t),
+                            result=(lambda: tw._source_rank()) if src is None else (lambda: src),
+                            desc=f"from group rank {'any' if src is None else src}")
 
     # --- collectives --------------------------------------------------------------------
     def broadcast(self, group, buf, root):
@@ -211,7 +217,7 @@ class GlooBackend(Backend):
         opts.reduceOp = _OPS[op]
         fin = _avg(out, group.size) if op is ReduceOp.AVG else None
         tw = self.comm(group)._reduce_scatter_base(to, ti, opts)
-        return self._work(Op.REDUCE_SCATTER, group, tw, (out, inp, to, ti), fin)
+        return self._waited(Op.REDUCE_SCATTER, group, tw, (out, inp, to, ti), finalize=fin)
 
     def all_to_all(self, group, out, inp, out_counts, in_counts):
         to, ti = tensor(out), tensor(inp)

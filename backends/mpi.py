@@ -166,7 +166,8 @@ class MPIBackend(Backend):
     def reduce_scatter(self, group, out, inp, op):
         r_in = _Reducible(inp, ReduceOp.SUM, group.size)
         r_out = _Reducible(out, op, group.size, copy_in=False)
-        req = self.comm(group).Ireduce_scatter_block(_spec(r_in.work_buf), _spec(r_out.work_buf),
+        req = self.comm(group).Ireduce_scatter_block(_spec(r_in.work_buf, out.numel),
+                                                     _spec(r_out.work_buf),
                                                      _OPS[op])
         return MPIWork(Op.REDUCE_SCATTER, group, req, (out, inp, r_in, r_out),
                        finalize=r_out.finish)

@@ -1,0 +1,57 @@
+"""Fixtures for tests run on every rank under mpiexec. Every rank collects the same
+tests in the same order, so collectives line up; each rank asserts its own result."""
+import numpy as np
+import pytest
+import torch
+
+import mcrdl_torch as dist
+
+BACKENDS = ["mpi", "gloo"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.int8, torch.uint8]
+TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-12}
+
+dist.init_process_group()
+RANK, SIZE = dist.get_rank(), dist.get_world_size()
+# the subgroup lists its ranks in reverse so group ranks differ from global ranks
+SUB_RANKS = {1: [0], 2: [1, 0]}.get(SIZE, [SIZE - 1, 0])
+GROUPS = {"world": None, "sub": dist.new_group(SUB_RANKS)}
+
+
+def members(name):
+    return list(range(SIZE)) if name == "world" else SUB_RANKS
+
+
+@pytest.fixture(params=["world", "sub"])
+def grp(request):
+    """(group object, its global ranks, my position); skips ranks outside the group."""
+    ranks = members(request.param)
+    if RANK not in ranks:
+        pytest.skip("this rank is not a member of the subgroup")
+    return GROUPS[request.param], ranks, ranks.index(RANK)
+
+
+def values(rank, count, dtype, salt=0):
+    """Deterministic small integers 1..5, exact in every dtype (sums and products of up
+    to 3 ranks stay exact); every rank can compute every other rank's input."""
+    v = (np.arange(count) * 7 + rank * 3 + salt) % 5 + 1
+    return torch.tensor(v, dtype=torch.float64).to(dtype)
+
+
+def assert_equal(actual, expected):
+    expected = torch.as_tensor(expected).to(actual.dtype).reshape(actual.shape)
+    tol = TOL.get(actual.dtype)
+    if tol is None:
+        assert torch.equal(actual, expected), f"rank {RANK}: got {actual} expected {expected}"
+    else:
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol,
+                                   msg=lambda m: f"rank {RANK}: {m}")
+
+
+def finish(result, async_op):
+    if async_op:
+        assert isinstance(result, dist.Work), f"async_op=True returned {result!r}"
+        result.wait()
+        assert result.is_completed()
+    else:
+        assert result is None
