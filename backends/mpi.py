@@ -40,6 +40,7 @@ class MPIWork(Work):
     """One MPI request. ``status`` is kept for receives (to report the source)."""
 
     poll_group = "mpi"
+    host_progress = True
 
     def __init__(self, op, group, req, keep=(), finalize=None, status=None, desc=""):
         super().__init__("mpi", op, group, finalize=finalize, desc=desc)
@@ -84,6 +85,12 @@ class _Reducible:
             self.work_buf = Buffer.from_numpy(arr)
         else:
             self.work_buf = buf
+
+    @property
+    def finalizer(self):
+        """``finish`` if there is anything to do on completion, else None."""
+        needed = self.op is ReduceOp.AVG or self.work_buf is not self.buf
+        return self.finish if needed else None
 
     def finish(self) -> None:
         arr = self.work_buf.host()
@@ -150,14 +157,14 @@ class MPIBackend(Backend):
         comm = self.comm(group)
         if group.rank == root:
             req = comm.Ireduce(MPI.IN_PLACE, _spec(r.work_buf), _OPS[op], root)
-            return MPIWork(Op.REDUCE, group, req, (buf, r), finalize=r.finish)
+            return MPIWork(Op.REDUCE, group, req, (buf, r), finalize=r.finalizer)
         req = comm.Ireduce(_spec(r.work_buf), None, _OPS[op], root)
         return MPIWork(Op.REDUCE, group, req, (buf, r))
 
     def all_reduce(self, group, buf, op):
         r = _Reducible(buf, op, group.size)
         req = self.comm(group).Iallreduce(MPI.IN_PLACE, _spec(r.work_buf), _OPS[op])
-        return MPIWork(Op.ALL_REDUCE, group, req, (buf, r), finalize=r.finish)
+        return MPIWork(Op.ALL_REDUCE, group, req, (buf, r), finalize=r.finalizer)
 
     def all_gather(self, group, out, inp):
         req = self.comm(group).Iallgather(_spec(inp), _spec(out, inp.numel))
@@ -170,7 +177,7 @@ class MPIBackend(Backend):
                                                      _spec(r_out.work_buf),
                                                      _OPS[op])
         return MPIWork(Op.REDUCE_SCATTER, group, req, (out, inp, r_in, r_out),
-                       finalize=r_out.finish)
+                       finalize=r_out.finalizer)
 
     def all_to_all(self, group, out, inp, out_counts, in_counts):
         comm = self.comm(group)

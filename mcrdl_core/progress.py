@@ -8,8 +8,11 @@ timeout passes, which raises :class:`CommTimeoutError` naming op, group, backend
 rank instead of hanging.
 
 Polling cost: the loop spins for ``MCRDL_SPIN_US`` µs (default 100), then yields the
-CPU (``sleep(0)``) for 2 ms, then sleeps with a backoff capped at 1 ms, so that
-oversubscribed ranks (3 ranks on 2 cores) leave the CPU to the rank doing the work.
+CPU (``sleep(0)``) between polls, so that oversubscribed ranks (3 ranks on 2 cores)
+leave the CPU to the rank doing the work. After 2 ms, if no in-flight work needs the
+host to drive it (``Work.host_progress``: MPI moves pipelined messages only while some
+rank calls into it), it naps with a backoff capped at 1 ms; Gloo and CUDA progress on
+their own threads and engines.
 """
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ class ProgressEngine:
                 raise CommTimeoutError(self.diagnose(pending, timeout))
             if now < spin_until:
                 continue
-            if now < yield_until:
+            if now < yield_until or any(w.host_progress for w in self.inflight):
                 time.sleep(0)
             else:
                 time.sleep(nap)

@@ -17,6 +17,8 @@ class Work:
 
     #: works with the same poll_group are polled together by ``poll_many``
     poll_group: str = "generic"
+    #: True if the library only progresses while the host calls into it (MPI)
+    host_progress: bool = False
 
     def __init__(self, backend: str, op, group=None, *, finalize: Callable | None = None,
                  spans=(), result=None, desc: str = ""):

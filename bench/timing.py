@@ -1,0 +1,35 @@
+"""Timing helpers shared by the benchmarks: every rank times each call, the figure for a
+call is the slowest rank's, and a series is summarised by its median."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+COMM = MPI.COMM_WORLD
+
+
+def per_call_times(fn, iters: int, warmup: int = 10) -> np.ndarray:
+    """Seconds per call (max over ranks), each call timed alone after a barrier-free warm-up."""
+    for _ in range(warmup):
+        fn()
+    COMM.Barrier()
+    out = np.empty(iters)
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out[i] = time.perf_counter() - t0
+    worst = np.empty_like(out)
+    COMM.Allreduce(out, worst, op=MPI.MAX)
+    return worst
+
+
+def median_us(fn, iters: int, warmup: int = 10) -> float:
+    return float(statistics.median(per_call_times(fn, iters, warmup))) * 1e6
+
+
+def iters_for(nbytes: int) -> int:
+    """Enough calls for a stable median without making large sizes slow."""
+    return max(10, min(400, (64 << 20) // max(nbytes, 1) // 8))

@@ -1,0 +1,67 @@
+"""Launch the multi-rank suite (tests/mpi/) under mpiexec at 1, 2 and 3 ranks, and a
+Gloo job under torchrun. A hang is a failure: each launch has a hard timeout, each
+inner test has pytest-timeout, and every MCR-DL wait has MCRDL_TIMEOUT."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.update(MCRDL_MPI_TESTS="1", MCRDL_TIMEOUT="60", PYTHONUNBUFFERED="1",
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+               # Make MPICH move large on-node messages through its pipelined shared-memory
+               # path instead of a receiver-side single copy (CMA), so the deadlock test
+               # sees the sender-progress behaviour of real network transports.
+               MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD="2147483647")
+    env.update(extra)
+    return env
+
+
+def _run(cmd, timeout, env):
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT / "tests" / "mpi", env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s:\n{out[-6000:]}")
+    return proc
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_suite_under_mpiexec(nranks):
+    assert MPIEXEC, "mpiexec not found: install the mpich extra (pip install 'mcr-dl[mpich]')"
+    cmd = [MPIEXEC, "-n", str(nranks), sys.executable, "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", "--timeout=120", "-o", "addopts=", "."]
+    proc = _run(cmd, 480, _env())
+    out = proc.stdout + proc.stderr
+    summaries = re.findall(r"^(\d+) passed.*$", out, re.M)
+    print(f"{nranks} ranks: " + " | ".join(re.findall(r"^\d+ passed.*$", out, re.M)))
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
+    assert len(summaries) == nranks, f"expected a summary from every rank:\n{out[-4000:]}"
+    assert all(int(s) > 100 for s in summaries)
+
+
+@pytest.mark.multirank
+def test_torchrun_launch_uses_gloo_and_explains_mpi():
+    torchrun = shutil.which("torchrun", path=str(BIN))
+    assert torchrun, "torchrun not found next to the interpreter"
+    env = _env()
+    for v in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDRA_CONTROL_FD"):
+        env.pop(v, None)
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "torchrun_job.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    assert out.count("torchrun job ok") == 2, out[-4000:]
