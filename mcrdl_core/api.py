@@ -50,7 +50,7 @@ def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, bac
     buf = _v.input(tensor, "tensor")
     rt, g, be, _ = _prepare(Op.SEND, group, buf, backend)
     peer = g.group_rank(dst, "dst")
-    spans = rt.order(reads=(buf,))
+    spans = rt.order(reads=(buf,), keep=async_op)
     return rt.finish(be.send(g, buf, peer, int(tag)), spans, async_op)
 
 
@@ -61,7 +61,7 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
     buf = _v.output(tensor, "tensor")
     rt, g, be, _ = _prepare(Op.RECV, group, buf, backend)
     peer = None if src is None else g.group_rank(src, "src")
-    spans = rt.order(writes=(buf,))
+    spans = rt.order(writes=(buf,), keep=async_op)
     work = be.recv(g, buf, peer, int(tag))
     work.add_finalizer(lambda: setattr(work, "_result", g.global_rank(work._result)))
     rt.finish(work, spans, async_op)
@@ -83,7 +83,7 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
     root = g.group_rank(src, "src")
     if rt.debug:
         _debug.check(rt, g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
-    spans = rt.order(writes=(buf,))
+    spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.broadcast(g, buf, root), spans, async_op)
 
 
@@ -94,7 +94,7 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     root = g.group_rank(dst, "dst")
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
-    spans = rt.order(writes=(buf,))
+    spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.reduce(g, buf, root, op), spans, async_op)
 
 
@@ -103,7 +103,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
     rt, g, be, op = _prepare(Op.ALL_REDUCE, group, buf, backend, op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
-    spans = rt.order(writes=(buf,))
+    spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.all_reduce(g, buf, op), spans, async_op)
 
 
@@ -116,7 +116,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
-    spans = rt.order(reads=(inp,), writes=(out,))
+    spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     return rt.finish(be.all_gather(g, out, inp), spans, async_op)
 
 
@@ -132,7 +132,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
         _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
-    spans = rt.order(reads=(inp,), writes=outs)
+    spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
     tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device)
     work = be.all_gather(g, tmp, inp)
     work.add_finalizer(lambda: _scatter_into(tmp, outs))
@@ -148,7 +148,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
-    spans = rt.order(reads=(inp,), writes=(out,))
+    spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     return rt.finish(be.reduce_scatter(g, out, inp, op), spans, async_op)
 
 
@@ -165,7 +165,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
         _v.numel(b, out.numel, f"input_list[{i}]", "each must match the output tensor")
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
-    spans = rt.order(reads=ins, writes=(out,))
+    spans = rt.order(reads=ins, writes=(out,), keep=async_op)
     tmp = _concat(ins, g.size * out.numel)
     return rt.finish(be.reduce_scatter(g, out, tmp, op), spans, async_op)
 
@@ -184,7 +184,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, inp, backend, nbytes=nbytes)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
-    spans = rt.order(reads=(inp,), writes=(out,))
+    spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts), spans, async_op)
 
 
@@ -207,7 +207,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
                            nbytes=sum(b.nbytes for b in ins) if even else None)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
-    spans = rt.order(reads=ins, writes=outs)
+    spans = rt.order(reads=ins, writes=outs, keep=async_op)
     tmp_in = _concat(ins, sum(in_counts))
     tmp_out = Buffer.empty((sum(out_counts),), outs[0].dtype, outs[0].device)
     work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
@@ -232,7 +232,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
             _v.numel(o, inp.numel, f"gather_list[{i}]", "each must match the input tensor")
     if rt.debug:
         _debug.check(rt, g, Op.GATHER, be, inp, root=root, count=inp.numel)
-    spans = rt.order(reads=(inp,), writes=outs)
+    spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
     tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device) if outs else None
     work = be.gather(g, tmp, inp, root)
     if outs:
@@ -257,7 +257,7 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
             _v.numel(b, out.numel, f"scatter_list[{i}]", "each must match the output tensor")
     if rt.debug:
         _debug.check(rt, g, Op.SCATTER, be, out, root=root, count=out.numel)
-    spans = rt.order(reads=ins, writes=(out,))
+    spans = rt.order(reads=ins, writes=(out,), keep=async_op)
     if ins:
         tmp = _concat(ins, g.size * out.numel)
     return rt.finish(be.scatter(g, out, tmp, root), spans, async_op)

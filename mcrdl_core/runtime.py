@@ -159,12 +159,15 @@ class Runtime:
         return group
 
     # --- issuing ------------------------------------------------------------------------
-    def order(self, reads=(), writes=()) -> list:
+    def order(self, reads=(), writes=(), keep: bool = True):
         """Wait (through the progress loop) for in-flight work whose memory conflicts with
         this call's: read-after-write, write-after-read, write-after-write. Returns the
-        spans to record on the new work."""
-        spans = [(*b.span(), False) for b in reads] + [(*b.span(), True) for b in writes]
+        spans to record on the new work; a blocking call (``keep=False``) never has
+        another call issued while it is in flight, so it records none."""
         inflight = self.engine.inflight
+        if not inflight and not keep:
+            return ()
+        spans = [(*b.span(), False) for b in reads] + [(*b.span(), True) for b in writes]
         if inflight:
             hazards = [w for w in inflight
                        if any((wa or wb) and a < d and c < b

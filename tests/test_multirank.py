@@ -1,8 +1,8 @@
 """Launch the multi-rank suite (tests/mpi/) under mpiexec at 1, 2 and 3 ranks, and a
 Gloo job under torchrun. A hang is a failure: each launch has a hard timeout, each
 inner test has pytest-timeout, and every MCR-DL wait has MCRDL_TIMEOUT."""
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,17 +39,20 @@ def _run(cmd, timeout, env):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("nranks", [1, 2, 3])
-def test_suite_under_mpiexec(nranks):
+def test_suite_under_mpiexec(nranks, tmp_path):
     assert MPIEXEC, "mpiexec not found: install the mpich extra (pip install 'mcr-dl[mpich]')"
     cmd = [MPIEXEC, "-n", str(nranks), sys.executable, "-m", "pytest", "-q", "-p",
            "no:cacheprovider", "--timeout=120", "-o", "addopts=", "."]
-    proc = _run(cmd, 480, _env())
+    proc = _run(cmd, 480, _env(MCRDL_RESULTS_DIR=str(tmp_path)))
     out = proc.stdout + proc.stderr
-    summaries = re.findall(r"^(\d+) passed.*$", out, re.M)
-    print(f"{nranks} ranks: " + " | ".join(re.findall(r"^\d+ passed.*$", out, re.M)))
+    tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    print(f"{nranks} ranks: " + "; ".join(f"rank {r}: {t['passed']} passed, {t['failed']} failed, "
+                                         f"{t['skipped']} skipped" for r, t in sorted(tallies.items())))
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
-    assert len(summaries) == nranks, f"expected a summary from every rank:\n{out[-4000:]}"
-    assert all(int(s) > 100 for s in summaries)
+    assert sorted(tallies) == list(range(nranks)), f"a rank reported nothing:\n{out[-4000:]}"
+    for r, t in tallies.items():
+        assert t["failed"] == 0 and t["error"] == 0 and t["exitstatus"] == 0, (r, t)
+        assert t["passed"] > 100, (r, t)
 
 
 @pytest.mark.multirank

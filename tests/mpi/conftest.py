@@ -55,3 +55,29 @@ def finish(result, async_op):
         assert result.is_completed()
     else:
         assert result is None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Each rank writes its own tally for the launcher (test_multirank.py) to read, since
+    the ranks' terminal output interleaves."""
+    import json
+    import os
+
+    out_dir = os.environ.get("MCRDL_RESULTS_DIR")
+    if not out_dir:
+        return
+    stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
+    tally = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
+             for k in ("passed", "failed", "skipped", "error")}
+    tally["exitstatus"] = int(exitstatus)
+    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
+        json.dump(tally, f)
+
+
+def pytest_configure(config):
+    """One base temp dir per rank: ranks sharing pytest's would race to clean it up."""
+    import tempfile
+
+    if not config.option.basetemp:
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"mcrdl-pytest-rank{RANK}-")
+        config.add_cleanup(lambda: __import__("shutil").rmtree(config.option.basetemp, True))
