@@ -17,9 +17,11 @@ from .errors import DtypeError
 DL_INT, DL_UINT, DL_FLOAT, DL_BFLOAT, DL_COMPLEX, DL_BOOL = 0, 1, 2, 4, 5, 6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DType:
-    """One element type. ``kind`` is 'float', 'int', 'uint', 'bool' or 'complex'."""
+    """One element type. ``kind`` is 'float', 'int', 'uint', 'bool' or 'complex'.
+
+    Each DType is a singleton, compared and hashed by identity (cheap dict keys)."""
 
     name: str
     code: int

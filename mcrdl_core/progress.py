@@ -70,6 +70,8 @@ class ProgressEngine:
 
     def wait(self, works, timeout: float | None = None) -> None:
         """Drive all backends until every work in ``works`` is complete."""
+        if len(works) == 1 and works[0].test():  # fast path: done at the first look
+            return
         pending = [w for w in works if not w._done]
         if not pending:
             return

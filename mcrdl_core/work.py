@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import Callable
 
 
+def _engine():
+    from .progress import engine
+
+    return engine()
+
+
 class Work:
     """Base class. Subclasses implement ``_poll()`` (non-blocking) and, for batching,
     may set ``poll_group`` and implement ``poll_many``."""
@@ -92,11 +98,9 @@ class Work:
         ``timeout`` in seconds; None means the runtime default (``MCRDL_TIMEOUT``).
         """
         if not self._done:
-            from .progress import engine
-
             if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
                 timeout = timeout.total_seconds()
-            engine().wait([self], timeout)
+            (self.engine or _engine()).wait([self], timeout)
         if self._error is not None:
             raise self._error
         return True

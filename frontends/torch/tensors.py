@@ -29,13 +29,13 @@ def to_buffer(t) -> Buffer:
     except KeyError:
         raise DtypeError(f"torch dtype {t.dtype} is not supported; use one of "
                          f"{[d.name for d in dt.SUPPORTED]}") from None
-    dev = t.device
-    if dev.type == "cpu":
+    if t.is_cpu:
         device = CPU
-    elif dev.type == "cuda":
-        device = Device("cuda", dev.index or 0)
+    elif t.is_cuda:
+        device = Device("cuda", t.get_device())
     else:
-        raise InvalidArgumentError(f"tensors on {dev} are not supported; use CPU or CUDA tensors")
+        raise InvalidArgumentError(f"tensors on {t.device} are not supported; use CPU or CUDA "
+                                   "tensors")
     strides = None if t.is_contiguous() else tuple(t.stride())
     return Buffer(t.data_ptr(), tuple(t.shape), dtype, device, strides, False, t)
 
