@@ -51,7 +51,7 @@ def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, bac
     rt, g, be, _ = _prepare(Op.SEND, group, buf, backend)
     peer = g.group_rank(dst, "dst")
     spans = rt.order(reads=(buf,), keep=async_op)
-    return rt.finish(be.send(g, buf, peer, int(tag)), spans, async_op)
+    return rt.finish(be.send(g, buf, peer, int(tag)), spans, async_op, buf.nbytes)
 
 
 def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: bool = False,
@@ -64,7 +64,7 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
     spans = rt.order(writes=(buf,), keep=async_op)
     work = be.recv(g, buf, peer, int(tag))
     work.add_finalizer(lambda: setattr(work, "_result", g.global_rank(work._result)))
-    rt.finish(work, spans, async_op)
+    rt.finish(work, spans, async_op, buf.nbytes)
     return work if async_op else work._result
 
 
@@ -84,7 +84,7 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
     if rt.debug:
         _debug.check(rt, g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
-    return rt.finish(be.broadcast(g, buf, root), spans, async_op)
+    return rt.finish(be.broadcast(g, buf, root), spans, async_op, buf.nbytes)
 
 
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -95,7 +95,7 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
-    return rt.finish(be.reduce(g, buf, root, op), spans, async_op)
+    return rt.finish(be.reduce(g, buf, root, op), spans, async_op, buf.nbytes)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None):
@@ -104,7 +104,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
     if rt.debug:
         _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
-    return rt.finish(be.all_reduce(g, buf, op), spans, async_op)
+    return rt.finish(be.all_reduce(g, buf, op), spans, async_op, buf.nbytes)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
@@ -117,7 +117,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
-    return rt.finish(be.all_gather(g, out, inp), spans, async_op)
+    return rt.finish(be.all_gather(g, out, inp), spans, async_op, out.nbytes)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None):
@@ -136,7 +136,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device)
     work = be.all_gather(g, tmp, inp)
     work.add_finalizer(lambda: _scatter_into(tmp, outs))
-    return rt.finish(work, spans, async_op)
+    return rt.finish(work, spans, async_op, tmp.nbytes)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -149,7 +149,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
-    return rt.finish(be.reduce_scatter(g, out, inp, op), spans, async_op)
+    return rt.finish(be.reduce_scatter(g, out, inp, op), spans, async_op, inp.nbytes)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -167,7 +167,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)
     tmp = _concat(ins, g.size * out.numel)
-    return rt.finish(be.reduce_scatter(g, out, tmp, op), spans, async_op)
+    return rt.finish(be.reduce_scatter(g, out, tmp, op), spans, async_op, tmp.nbytes)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
@@ -185,7 +185,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
-    return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts), spans, async_op)
+    return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts), spans, async_op,
+                     inp.nbytes)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
@@ -212,7 +213,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     tmp_out = Buffer.empty((sum(out_counts),), outs[0].dtype, outs[0].device)
     work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
     work.add_finalizer(lambda: _scatter_into(tmp_out, outs))
-    return rt.finish(work, spans, async_op)
+    return rt.finish(work, spans, async_op, tmp_in.nbytes)
 
 
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
@@ -237,7 +238,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
     work = be.gather(g, tmp, inp, root)
     if outs:
         work.add_finalizer(lambda: _scatter_into(tmp, outs))
-    return rt.finish(work, spans, async_op)
+    return rt.finish(work, spans, async_op, g.size * inp.nbytes)
 
 
 def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
@@ -260,7 +261,7 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)
     if ins:
         tmp = _concat(ins, g.size * out.numel)
-    return rt.finish(be.scatter(g, out, tmp, root), spans, async_op)
+    return rt.finish(be.scatter(g, out, tmp, root), spans, async_op, g.size * out.nbytes)
 
 
 _BARRIER_BUF = None
@@ -275,4 +276,4 @@ def barrier(group=None, async_op: bool = False, backend=None):
     rt, g, be, _ = _prepare(Op.BARRIER, group, _BARRIER_BUF, backend)
     if rt.debug:
         _debug.check(rt, g, Op.BARRIER, be, _BARRIER_BUF)
-    return rt.finish(be.barrier(g), [], async_op)
+    return rt.finish(be.barrier(g), [], async_op, 0)

@@ -13,6 +13,7 @@ from .dtypes import dtype_class
 from .errors import (BackendUnavailableError, InvalidArgumentError, NotInitializedError,
                      UnsupportedError)
 from .group import Group
+from .logger import logger as comm_logger
 from .progress import engine as _engine
 from .selection import POLICY, TuningTable, parse_override, table_from_env
 
@@ -43,6 +44,7 @@ class Runtime:
         self._backends: dict = {}
         self._unavailable: dict = {}
         self._choice: dict = {}  # memoized selections
+        self.logger = comm_logger()
         self.alive = True
 
     # --- backends -----------------------------------------------------------------------
@@ -176,9 +178,13 @@ class Runtime:
                 self.engine.wait(hazards)
         return spans
 
-    def finish(self, work, spans, async_op: bool):
-        """Register the work; return it (async) or wait for it (blocking)."""
+    def finish(self, work, spans, async_op: bool, nbytes: int = 0):
+        """Register the work; return it (async) or wait for it (blocking). ``nbytes`` is
+        the call's size S for the comm logger (nccl-tests convention)."""
         work.spans = spans
+        if self.logger.enabled:
+            work.add_finalizer(self.logger.start(work.op.value, nbytes, work.backend,
+                                                 work.group.size if work.group else 1))
         if async_op:
             self.engine.add(work)
             return work

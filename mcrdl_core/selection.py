@@ -126,12 +126,27 @@ def parse_override(text: str | None) -> dict:
 
 
 def table_from_env() -> TuningTable | None:
-    """Load MCRDL_TUNING_TABLE if set. A bad file is warned about, never fatal."""
-    path = os.environ.get("MCRDL_TUNING_TABLE")
-    if not path:
+    """The table in force at start-up: MCRDL_TUNING_TABLE if set, else the default
+    location if a file is there (see tuning.default_path). A malformed file, or one
+    measured on another machine, is warned about (naming the file) and not used: the
+    run continues on the policy. ``MCRDL_TUNING_TABLE=none`` disables tables."""
+    from .tuning import default_path, fingerprint, machine_differences
+
+    explicit = os.environ.get("MCRDL_TUNING_TABLE")
+    if explicit and explicit.lower() == "none":
+        return None
+    path = default_path()
+    if not explicit and not os.path.exists(path):
         return None
     try:
-        return TuningTable.load(path)
+        table = TuningTable.load(path)
     except TableError as exc:
         log.warning("%s -- continuing with the default policy", exc)
         return None
+    diff = machine_differences(table.data.get("machine", {}), fingerprint())
+    if diff:
+        log.warning("tuning table %s was measured on another machine (differs in %s); not "
+                    "using it -- continuing with the default policy. Re-run the tuning suite "
+                    "here (mcrdl tune).", path, ", ".join(diff))
+        return None
+    return table

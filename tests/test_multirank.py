@@ -53,6 +53,8 @@ def test_suite_under_mpiexec(nranks, tmp_path):
     for r, t in tallies.items():
         assert t["failed"] == 0 and t["error"] == 0 and t["exitstatus"] == 0, (r, t)
         assert t["passed"] > 100, (r, t)
+        deadlock = [i for i in t["passed_ids"] if "test_deadlock.py::" in i]
+        assert len(deadlock) == (2 if nranks == 2 else 0), (r, deadlock)
 
 
 @pytest.mark.multirank

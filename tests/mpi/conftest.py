@@ -70,6 +70,7 @@ def pytest_sessionfinish(session, exitstatus):
     tally = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
              for k in ("passed", "failed", "skipped", "error")}
     tally["exitstatus"] = int(exitstatus)
+    tally["passed_ids"] = [r.nodeid for r in stats.get("passed", []) if r.when == "call"]
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump(tally, f)
 
