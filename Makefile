@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# tune on 2 local ranks (short size range), then bench auto against each backend
 demo: install
-	mpiexec -n 2 $(PY) bench/demo.py
+	mpiexec -n 2 $(VENV)/bin/mcrdl tune --max-bytes 64K
+	mpiexec -n 2 $(VENV)/bin/mcrdl bench --max-bytes 64K --out bench/out
+	$(VENV)/bin/mcrdl info
 
 test: install
 	$(PY) -m pytest

@@ -39,6 +39,14 @@ def backend_class(name: str):
     if isinstance(target, str):
         try:
             target = load_attr(target)
+        except ModuleNotFoundError as exc:
+            if exc.name == target.partition(":")[0]:
+                raise BackendUnavailableError(
+                    f"backend {name!r} is not part of this version of MCR-DL yet") from exc
+            raise BackendUnavailableError(
+                f"backend {name!r} cannot be imported ({exc}); install the "
+                f"'mcr-dl[{ {'mpi': 'mpich', 'gloo': 'torch', 'nccl': 'gpu'}.get(name, 'all') }]' "
+                "extra") from exc
         except ImportError as exc:
             raise BackendUnavailableError(
                 f"backend {name!r} cannot be imported ({exc}); install the "

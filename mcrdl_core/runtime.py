@@ -77,6 +77,11 @@ class Runtime:
         be = self._backends[name] = backend_class(name)(self)
         return be
 
+    def set_override(self, spec: str | dict | None) -> None:
+        """Replace the MCRDL_BACKEND override ('mpi' or 'op=backend,...', or a dict)."""
+        self.override = parse_override(spec) if isinstance(spec, str) or spec is None else dict(spec)
+        self._choice.clear()
+
     def set_table(self, table: TuningTable | str | None) -> None:
         self.table = TuningTable.load(table) if isinstance(table, str) else table
         self._choice.clear()
@@ -90,11 +95,14 @@ class Runtime:
             backend = group.backend  # new_group(..., backend=) / init(backend=) default
         device, dtype = buf.device, buf.dtype
         explicit = backend not in (None, "auto")
-        if explicit or not self.table:
-            key = (backend, op, device.kind, dtype, reduce_op)
-            be = self._choice.get(key)
-            if be is not None:
-                return be
+        # memo: explicit and policy choices by (backend, op, device, dtype, reduce op);
+        # table choices also by group size and message size (bounded)
+        key = (backend, op, device.kind, dtype, reduce_op)
+        if self.table is not None and not explicit:
+            key += (group.size, nbytes)
+        be = self._choice.get(key)
+        if be is not None:
+            return be
         name = backend if explicit else (self.override.get(op.value) or self.override.get("*"))
         if name is not None:
             be = self.backend(name)
@@ -103,7 +111,6 @@ class Runtime:
                 raise UnsupportedError(f"{reason}. Backends that can: "
                                        f"{self._capable(op, device, dtype, reduce_op)}")
         else:
-            be = None
             if self.table is not None:
                 hit = self.table.lookup(op.value, group.size, device.kind, dtype_class(dtype),
                                         nbytes)
@@ -119,8 +126,9 @@ class Runtime:
                         f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
                         f"{self.available_backends()}")
                 be = self.backend(capable[0])
-        if explicit or not self.table:
-            self._choice[(backend, op, device.kind, dtype, reduce_op)] = be
+        if len(self._choice) > 65536:
+            self._choice.clear()
+        self._choice[key] = be
         return be
 
     def _capable(self, op, device, dtype, reduce_op) -> list:

@@ -16,7 +16,8 @@ The message size used for lookup is the per-rank payload, the same on every rank
 that every rank picks the same backend: the buffer for all_reduce, broadcast, reduce,
 send/recv; the input for all_gather, gather and even all_to_all; the output for
 reduce_scatter and scatter. Uneven all_to_all sizes differ per rank, so it uses the
-largest range listed for the op (documented, rank-consistent).
+largest range listed for the op (documented, rank-consistent). A table tuned for one
+dtype class ("float" or "int") also serves the other if that has no entry of its own.
 
 Policy without a table: CUDA buffers prefer nccl, then mpi, then gloo; host buffers
 prefer mpi, then gloo (MPI's shared-memory transport is the faster of the two on one
@@ -97,8 +98,13 @@ class TuningTable:
 
     def lookup(self, op: str, world_size: int, device: str, dtype_class: str,
                nbytes: int | None) -> str | None:
-        """Backend name, or None on a miss. ``nbytes=None`` takes the largest range."""
+        """Backend name, or None on a miss. ``nbytes=None`` takes the largest range. A
+        table tuned for one dtype class serves the other when it has no entry of its own
+        (moving bytes costs the same; barrier is keyed "int")."""
         hit = self.index.get((op, world_size, device, dtype_class))
+        if hit is None:
+            other = "int" if dtype_class == "float" else "float"
+            hit = self.index.get((op, world_size, device, other))
         if hit is None:
             return None
         bounds, names = hit

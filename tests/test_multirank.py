@@ -18,6 +18,7 @@ MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
 def _env(**extra):
     env = dict(os.environ)
     env.update(MCRDL_MPI_TESTS="1", MCRDL_TIMEOUT="60", PYTHONUNBUFFERED="1",
+               MCRDL_TUNING_TABLE="none",  # a table left by `make demo` must not steer tests
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                # Make MPICH move large on-node messages through its pipelined shared-memory
                # path instead of a receiver-side single copy (CMA), so the deadlock test

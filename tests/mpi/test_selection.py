@@ -19,8 +19,7 @@ def rt():
     rt = core.get_runtime()
     yield rt
     rt.set_table(None)
-    rt.override = {}
-    rt._choice.clear()
+    rt.set_override(None)
 
 
 def pick(rt, nbytes, backend=None, dtype=torch.float32):
@@ -36,11 +35,13 @@ def test_table_then_override_then_explicit(rt):
     rt.set_table(TuningTable(TABLE))
     assert [pick(rt, 8), pick(rt, 64), pick(rt, 68), pick(rt, 4096), pick(rt, 8192)] == \
            ["gloo", "gloo", "mpi", "mpi", "gloo"]
-    assert pick(rt, 8, dtype=torch.int32) == "mpi"  # int class not in the table: policy
-    rt.override = {"all_reduce": "mpi"}
+    assert pick(rt, 8, dtype=torch.int32) == "gloo"  # no int entry: the float entry serves
+    buf = dist.tensors.to_buffer(torch.zeros(2))
+    assert rt.select(Op.BROADCAST, rt.world, buf, None).name == "mpi"  # op not in table: policy
+    rt.set_override("all_reduce=mpi")
     assert pick(rt, 8) == "mpi"  # MCRDL_BACKEND beats the table
     assert pick(rt, 8, backend="gloo") == "gloo"  # explicit beats everything
-    rt.override = {}
+    rt.set_override(None)
     assert pick(rt, 8, backend="auto") == "gloo"  # "auto" means: consult the table
 
 

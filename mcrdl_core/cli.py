@@ -1,0 +1,307 @@
+"""``mcrdl``: the command line of MCR-DL. Run it under the launcher, e.g.
+
+    mpiexec -n 2 mcrdl tune --max-bytes 64M     # measure, write the tuning table
+    mpiexec -n 2 mcrdl bench --max-bytes 1M     # latency/bandwidth per backend and auto
+    mcrdl info                                  # backends, bootstrap, table in force
+
+Only rank 0 prints and writes files.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import sys
+
+from . import sweep as _sweep
+from . import tuning as _tuning
+from .logger import bandwidths
+from .runtime import init
+from .selection import TuningTable
+
+SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = SUFFIX.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if text[-1:] in SUFFIX else text) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 4096, 64K, 64M") from None
+
+
+def _usable(rt, wanted):
+    avail = {b for b, r in rt.available_backends().items() if r is None}
+    if wanted:
+        missing = [b for b in wanted if b not in avail]
+        if missing:
+            raise SystemExit(f"mcrdl: backends {missing} are not available here: "
+                             f"{ {b: rt.available_backends()[b] for b in missing} }")
+        return list(wanted)
+    return [b for b in ("mpi", "gloo", "nccl") if b in avail]
+
+
+class _Progress:
+    """A rich progress bar on rank 0 (plain lines if rich is missing)."""
+
+    def __init__(self, rank: int, total: int, title: str):
+        self.bar = None
+        self.rank = rank
+        if rank != 0:
+            return
+        try:
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task(title, total=total)
+        except ImportError:
+            print(f"{title}: {total} points", flush=True)
+
+    def step(self, op, size):
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=f"{op} {size} B")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _run_sweep(rt, args, backends, title):
+    sizes = _sweep.sizes_between(args.min_bytes, args.max_bytes)
+    total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
+    bar = _Progress(rt.rank, total, title)
+    try:
+        return _sweep.sweep(args.ops, sizes, backends, trials_scale=args.trials_scale,
+                            on_point=bar.step)
+    finally:
+        bar.close()
+
+
+def cmd_tune(args) -> int:
+    rt = init()
+    backends = _usable(rt, args.backends)
+    res = _run_sweep(rt, args, backends, f"tuning {len(backends)} backends")
+    if rt.rank != 0:
+        return 0
+    path = args.output or _tuning.default_path()
+    existing = None
+    if os.path.exists(path):
+        try:
+            existing = TuningTable.load(path).data
+        except Exception as exc:  # a bad old file is replaced, and we say so
+            logging.getLogger("mcrdl.tune").warning("replacing unreadable table: %s", exc)
+    results = {(op, rt.world_size, "cpu", "float"): pts for op, pts in res.items()}
+    table = _tuning.merge_table(existing, _tuning.build_entries(results), _tuning.fingerprint())
+    _tuning.write_table(table, path)
+    print(f"\nCrossover table for {rt.world_size} ranks (message size per rank -> backend):")
+    for line in _tuning.crossover_lines(TuningTable(table, path), rt.world_size):
+        print("  " + line)
+    print(f"Tuning table written to {path}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    rt = init()
+    backends = _usable(rt, args.backends)
+    control = [f"{backends[0]}@2"] if args.control else []
+    cols = backends + ["auto"] + control
+    res = _run_sweep(rt, args, cols, f"bench {', '.join(cols)}")
+    if rt.rank != 0:
+        return 0
+    n = rt.world_size
+    rows = []
+    for op, pts in res.items():
+        for size, lat in pts.items():
+            for be, s in lat.items():
+                alg, bus = bandwidths(op, _sweep.algbw_bytes(op, size, n), n, s)
+                rows.append({"op": op, "bytes": size, "backend": be, "latency_us": s * 1e6,
+                             "algbw_GBps": alg / 1e9, "busbw_GBps": bus / 1e9})
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"bench-n{n}")
+    with open(stem + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    verdict = _auto_verdict(res, backends, "auto")
+    if control:
+        verdict["control"] = _auto_verdict(res, backends[:1], control[0])
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump({"world_size": n, "table": getattr(rt.table, "path", None), "rows": rows,
+                   "auto_vs_best": verdict}, f, indent=1)
+    _print_bench(res, backends, control, n, rt)
+    png = _plot(res, cols, n, stem + ".png")
+    print(f"auto within max(5%, 2 µs) of the best single backend at {verdict['within']} of "
+          f"{verdict['points']} points; sweep total: auto {verdict['auto_total_us']:.1f} µs vs "
+          f"best single backend ({verdict['best_backend']}) {verdict['best_total_us']:.1f} µs")
+    if verdict["misses"]:
+        print("  outside the bound: " + "; ".join(verdict["misses"][:10]))
+    if control:
+        c = verdict["control"]
+        print(f"A/A control: {control[0]} (the same backend measured again) within the same "
+              f"bound of {backends[0]} at {c['within']} of {c['points']} points: the noise floor "
+              "of this machine")
+    print(f"wrote {stem}.csv, {stem}.json" + (f", {png}" if png else ""))
+    return 0
+
+
+def _auto_verdict(res, backends, col: str) -> dict:
+    """How often column ``col`` is within max(5%, 2 µs) of the best of ``backends``."""
+    within, points, misses = 0, 0, []
+    totals = {b: 0.0 for b in backends + [col]}
+    for op, pts in res.items():
+        for size, lat in pts.items():
+            best = min(lat[b] for b in backends)
+            points += 1
+            ok = lat[col] <= best + max(0.05 * best, 2e-6)
+            within += ok
+            if not ok:
+                misses.append(f"{op} {size} B: {col} {lat[col] * 1e6:.1f} µs vs best "
+                              f"{best * 1e6:.1f} µs")
+            for b in totals:
+                totals[b] += lat[b]
+    best_b = min(backends, key=totals.get)
+    return {"points": points, "within": within, "misses": misses,
+            "auto_total_us": totals[col] * 1e6, "best_backend": best_b,
+            "best_total_us": totals[best_b] * 1e6,
+            "totals_us": {b: t * 1e6 for b, t in totals.items()}}
+
+
+def _print_bench(res, backends, control, n, rt):
+    print(f"\nLatency (µs, median of per-call max over {n} ranks); table: "
+          f"{getattr(rt.table, 'path', None) or 'none (auto = policy)'}")
+    cols = backends + ["auto"] + control
+    head = f"{'op':15s} {'bytes':>9s} " + " ".join(f"{b:>9s}" for b in cols)
+    print(head + f" {'fastest':>8s} {'auto picks':>10s} {'auto busbw GB/s':>16s}")
+    for op, pts in res.items():
+        for size, lat in pts.items():
+            _, bus = bandwidths(op, _sweep.algbw_bytes(op, size, n), n, lat["auto"])
+            fastest = min(backends, key=lat.get)
+            print(f"{op:15s} {size:9d} " + " ".join(f"{lat[b] * 1e6:9.1f}" for b in cols)
+                  + f" {fastest:>8s} {_pick(rt, op, size):>10s} {bus / 1e9:16.3f}")
+
+
+def _pick(rt, op: str, size: int) -> str:
+    """The backend ``backend="auto"`` chooses for this sweep point (as the call would)."""
+    import numpy as np
+
+    from .buffer import Buffer
+    from .ops import Op, ReduceOp
+
+    core_op = Op.SEND if op == "send_recv" else Op(op)
+    if core_op is Op.BARRIER:
+        buf = Buffer.from_numpy(np.zeros(1, dtype=np.uint8))
+    else:
+        buf = Buffer.from_numpy(np.empty(max(size // 4, 1), dtype=np.float32))
+        if core_op is Op.ALL_TO_ALL:
+            buf = Buffer.from_numpy(np.empty(max(size // 4 // rt.world_size, 1) * rt.world_size,
+                                             dtype=np.float32))
+    reduce_op = ReduceOp.SUM if core_op in (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER) else None
+    return rt.select(core_op, rt.world, buf, "auto", reduce_op).name
+
+
+def _plot(res, cols, n, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'mcr-dl[bench]')")
+        return None
+    ops = [op for op in res if op != "barrier"]
+    cols_n = 3
+    rows_n = (len(ops) + cols_n - 1) // cols_n
+    fig, axes = plt.subplots(rows_n, cols_n, figsize=(5 * cols_n, 3.6 * rows_n), squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        sizes = sorted(res[op])
+        for b in cols:
+            ax.plot(sizes, [res[op][s][b] * 1e6 for s in sizes], marker=".",
+                    linestyle="--" if b == "auto" else "-", label=b)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("latency (µs)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(ops):]:
+        ax.axis("off")
+    fig.suptitle(f"MCR-DL latency per backend, {n} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def cmd_info(args) -> int:
+    rt = init()
+    if rt.rank != 0:
+        return 0
+    bs = rt.bootstrap
+    print(f"bootstrap: {bs.kind}; world size {rt.world_size}; all ranks on one host: "
+          f"{bs.all_local}")
+    print("backends:")
+    for name, reason in rt.available_backends().items():
+        print(f"  {name:5s} {'available' if reason is None else 'unavailable: ' + reason}")
+    if rt.unavailable_reason("mpi") is None:
+        from mpi4py import MPI
+
+        print(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}; CUDA-aware: "
+              "not detected (no CUDA buffer support yet)")
+    path = _tuning.default_path()
+    if rt.table is not None:
+        print(f"tuning table in force: {rt.table.path}")
+        lines = _tuning.crossover_lines(rt.table, rt.world_size)
+        print(f"  entries for {rt.world_size} ranks:" if lines else
+              f"  no entries for {rt.world_size} ranks: every lookup falls back to the policy")
+        for line in lines:
+            print("    " + line)
+        others = sorted({e["world_size"] for e in rt.table.data["entries"]} - {rt.world_size})
+        if others:
+            print(f"  also holds world sizes {others} (not used at this size)")
+    elif os.path.exists(path):
+        print(f"tuning table: {path} exists but is not in force (see the warning above); "
+              "selection uses the policy")
+    else:
+        print(f"tuning table: none ({path} absent); selection uses the policy "
+              "(mpi, then gloo, for host buffers)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mcrdl", description="MCR-DL command line")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ops = list(_tuning.TUNED_OPS)
+    for name, fn, hi in (("tune", cmd_tune, "64M"), ("bench", cmd_bench, "1M")):
+        p = sub.add_parser(name, help=f"{name} every op on every backend (run under mpiexec)")
+        p.add_argument("--min-bytes", type=parse_bytes, default=4, help="smallest size (4)")
+        p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes(hi),
+                       help=f"largest size, powers of two in between ({hi})")
+        p.add_argument("--ops", nargs="+", default=ops, choices=ops)
+        p.add_argument("--backends", nargs="+", help="default: every available backend")
+        p.add_argument("--trials-scale", type=float, default=1.0,
+                       help="multiply the number of trials per point")
+        if name == "tune":
+            p.add_argument("--output", "-o", help="table path (default: MCRDL_TUNING_TABLE or "
+                                                  "~/.cache/mcrdl/tuning.json)")
+        else:
+            p.add_argument("--out", default="mcrdl-bench", help="folder for CSV/JSON/PNG")
+            p.add_argument("--control", action="store_true",
+                           help="add an A/A column: the first backend measured a second time")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("info", help="backends, bootstrap and the tuning table in force")
+    p.set_defaults(fn=cmd_info)
+    return ap
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Latency sweeps over ops, message sizes and backends (used by ``mcrdl tune`` and
+``mcrdl bench``).
+
+For one (op, size) every backend is measured in the same run, interleaved call by
+call, each call after a barrier, in an order where every backend follows every other
+equally often (``balanced_order``, the same on every rank), so machine noise and the
+previous call's after-effects fall on all alike. The collector is off while timing
+(as in timeit). A call's time is the slowest rank's (max over ranks); a point's figure
+is the median over its calls. Buffers are NumPy arrays (float32, or
+int32 for the int class), allocated once per point. Sizes are bytes per rank (the
+selection size, see selection.py).
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from . import api
+from .runtime import get_runtime
+
+
+def trials_for(nbytes: int, scale: float = 1.0) -> int:
+    """More trials for small messages (cheap, noisier), fewer for large ones."""
+    return max(12, int(min(200, (512 << 20) // max(nbytes, 1) // 16) * scale))
+
+
+def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None):
+    """A zero-argument function doing one ``op`` of ``nbytes`` per rank on ``backend``."""
+    rt = get_runtime()
+    g = rt.group(group)
+    n, me = g.size, g.rank
+    count = max(nbytes // np.dtype(dtype).itemsize, 1)
+    x = np.ones(count, dtype=dtype)
+    big = np.ones(count * n, dtype=dtype)
+    kw = {"group": group, "backend": backend}
+    root = g.ranks[0]
+    if op == "all_reduce":
+        return lambda: api.all_reduce(x, **kw)
+    if op == "broadcast":
+        return lambda: api.broadcast(x, root, **kw)
+    if op == "reduce":
+        return lambda: api.reduce(x, root, **kw)
+    if op == "all_gather":
+        return lambda: api.all_gather_into_tensor(big, x, **kw)
+    if op == "reduce_scatter":
+        return lambda: api.reduce_scatter_tensor(x, big, **kw)
+    if op == "all_to_all":  # the selection size of all-to-all is the whole input
+        inp = np.ones(max(count // n, 1) * n, dtype=dtype)
+        out = np.empty_like(inp)
+        return lambda: api.all_to_all_single(out, inp, **kw)
+    if op == "gather":
+        outs = [np.empty(count, dtype=dtype) for _ in range(n)] if me == 0 else None
+        return lambda: api.gather(x, outs, root, **kw)
+    if op == "scatter":
+        ins = [np.ones(count, dtype=dtype) for _ in range(n)] if me == 0 else None
+        return lambda: api.scatter(x, ins, root, **kw)
+    if op == "send_recv":  # ping-pong between group ranks 0 and 1; others idle
+        if n < 2 or me > 1:
+            return lambda: None
+        peer = g.ranks[1 - me]
+
+        def pingpong():
+            if me == 0:
+                api.send(x, peer, **kw)
+                api.recv(x, peer, **kw)
+            else:
+                api.recv(x, peer, **kw)
+                api.send(x, peer, **kw)
+        return pingpong
+    if op == "barrier":
+        return lambda: api.barrier(group, backend=backend)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def measure_point(op: str, nbytes: int, backends, trials: int, warmup: int = 3,
+                  dtype=np.float32, group=None, settle_s: float = 2e-4) -> dict:
+    """{backend: median seconds} for one (op, size), backends interleaved per trial.
+    send_recv reports one-way latency (half the round trip)."""
+    rt = get_runtime()
+    sync_backend = "mpi" if rt.unavailable_reason("mpi") is None else "gloo"
+    # "mpi@2" measures mpi a second time: an A/A control that shows the noise floor
+    calls = {b: make_call(op, nbytes, b.split("@")[0], dtype, group) for b in backends}
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    fns = list(calls.values())
+    order = balanced_order(len(fns), trials)
+    times = np.zeros((len(fns), order.count(0)))
+    gc.collect()
+    gc_was_on = gc.isenabled()
+    gc.disable()  # as timeit does: collector pauses would land on whichever call is next
+    try:
+        _timed_calls(fns, order, times, group, sync_backend, settle_s)
+    finally:
+        if gc_was_on:
+            gc.enable()
+    worst = times.copy()
+    api.all_reduce(worst, "max", group=group, backend=sync_backend)
+    half = 0.5 if op == "send_recv" else 1.0
+    return {b: float(statistics.median(worst[i])) * half for i, b in enumerate(calls)}
+
+
+def balanced_order(k: int, trials: int) -> list[int]:
+    """A call order in which each of ``k`` backends runs at least ``trials`` times and
+    every backend directly follows every other one equally often: an Eulerian circuit
+    of the complete directed graph on k nodes (Hierholzer), repeated. A call right
+    after another library's call can pay for it (Gloo's threads winding down on a busy
+    machine); this spreads that cost evenly over the columns."""
+    if k == 1:
+        return [0] * trials
+    unused = {v: [u for u in range(k) if u != v] for v in range(k)}
+    stack, circuit = [0], []
+    while stack:
+        v = stack[-1]
+        if unused[v]:
+            stack.append(unused[v].pop())
+        else:
+            circuit.append(stack.pop())
+    cycle = circuit[::-1][:-1]  # k(k-1) calls, each backend k-1 times
+    return cycle * -(-trials // (k - 1))
+
+
+def _timed_calls(fns, order, times, group, sync_backend, settle_s):
+    count = [0] * len(fns)
+    for i in order:
+        time.sleep(settle_s)  # let the previous call's library threads go idle
+        api.barrier(group, backend=sync_backend)
+        t0 = time.perf_counter()
+        fns[i]()
+        times[i, count[i]] = time.perf_counter() - t0
+        count[i] += 1
+
+
+def algbw_bytes(op: str, nbytes: int, n: int) -> int:
+    """S of the nccl-tests formulas for a sweep point of ``nbytes`` per rank."""
+    return nbytes * n if op in ("all_gather", "reduce_scatter", "gather", "scatter") else nbytes
+
+
+def sizes_between(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` to ``hi`` bytes (both rounded to powers of two)."""
+    out, s = [], 1 << max(int(lo) - 1, 0).bit_length()
+    while s <= hi:
+        out.append(s)
+        s <<= 1
+    return out
+
+
+def sweep(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32, group=None,
+          on_point=None) -> dict:
+    """{op: {size: {backend: median seconds}}}. ``on_point(op, size)`` after each point
+    (a progress bar). Barrier is measured once (it has no size)."""
+    results = {}
+    for op in ops:
+        pts = [0] if op == "barrier" else sizes
+        results[op] = {}
+        for size in pts:
+            results[op][size] = measure_point(op, size, backends,
+                                              trials_for(size, trials_scale), dtype=dtype,
+                                              group=group)
+            if on_point:
+                on_point(op, size)
+    return results
