@@ -22,7 +22,7 @@ install: $(STAMP)
 demo: install
 	mpiexec -n 2 $(VENV)/bin/mcrdl tune --max-bytes 64K
 	mpiexec -n 2 $(VENV)/bin/mcrdl bench --max-bytes 64K --out bench/out
-	$(VENV)/bin/mcrdl info
+	mpiexec -n 2 $(VENV)/bin/mcrdl info
 
 test: install
 	$(PY) -m pytest

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mcrdl_torch as dist
-from conftest import GROUPS, RANK, SIZE, assert_equal, members, values
+from conftest import GROUPS, RANK, assert_equal, members, values
 from test_ops import reference
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
