@@ -13,7 +13,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (a newer or unpinned torch would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[mpich,torch,test,bench]'
+	# mpi4jax compiles against the venv's MPICH (mpicc is in .venv/bin, on PATH above);
+	# CUDA_PATH points at an empty folder so that a machine with nvcc but no CUDA
+	# headers builds the CPU-only extension instead of failing
+	mkdir -p $(VENV)/no-cuda
+	CUDA_PATH=$(abspath $(VENV))/no-cuda $(PY) -m pip install -q -e '.[mpich,torch,jax,test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)

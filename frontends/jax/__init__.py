@@ -1,4 +1,4 @@
-"""mcrdl_jax: functional collectives on JAX arrays (eager; jit support is not there yet).
+"""mcrdl_jax: functional collectives on JAX arrays, eager and under ``jax.jit``.
 
 Every call returns new arrays and never changes its inputs. Names follow the torch
 frontend; shapes follow JAX conventions (``jax.lax.all_gather`` stacks on a new
@@ -10,9 +10,12 @@ again with no copy. Two exceptions: bfloat16 results are copied once (DLPack fro
 NumPy has no bfloat16), and ops that work in place in the core (all_reduce, reduce,
 broadcast) first copy the input into the result buffer, since JAX arrays are immutable.
 
-Under ``jax.jit`` a traced value raises a clear error for now. Lowering MPI calls to
-mpi4jax, and other backends to an XLA callback, is the open part of the JAX issue.
-CPU arrays only, until the backends handle CUDA buffers.
+Under ``jax.jit`` (traced inputs) the backend is chosen at trace time from the static
+shape and dtype, and MPI calls lower to mpi4jax primitives (``traced.py``). Calls that
+choose another backend, uneven all-to-all, and recv from any source raise a clear error
+under jit for now; ``barrier()`` takes no array and always runs eagerly. The XLA-callback
+path for Gloo, autodiff rules and vmap are the open part of the JAX issue. CPU arrays
+only, until the backends handle CUDA buffers.
 """
 from __future__ import annotations
 
@@ -30,11 +33,21 @@ from mcrdl_core.errors import InvalidArgumentError
 ALIGN = 64  # bytes; JAX adopts host memory without a copy at this alignment
 
 
+def _traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _tr():
+    """The jit path, imported on first use (it needs mpi4jax)."""
+    try:
+        from . import traced
+    except ImportError as exc:
+        raise InvalidArgumentError(f"mcrdl_jax under jax.jit needs mpi4jax ({exc}); install the "
+                                   "'mcr-dl[jax]' extra, or call outside jit") from exc
+    return traced
+
+
 def _check(x, what: str = "x"):
-    if isinstance(x, jax.core.Tracer):
-        raise InvalidArgumentError(
-            f"mcrdl_jax: {what} is a traced value (inside jax.jit/grad/vmap); only eager calls "
-            "are supported so far: call outside jit")
     if not isinstance(x, (jax.Array, np.ndarray)):
         raise InvalidArgumentError(f"mcrdl_jax: {what} must be a JAX (or NumPy) array, got "
                                    f"{type(x).__name__}")
@@ -72,6 +85,8 @@ def _size(group) -> int:
 
 # --- collectives --------------------------------------------------------------------------
 def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None):
+    if _traced(x):
+        return _tr().all_reduce(x, op, group, backend)
     out = _copy_of(_check(x))
     _core.all_reduce(out, op, group, backend=backend)
     return _to_jax(out)
@@ -79,12 +94,16 @@ def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None):
 
 def reduce(x, dst: int = 0, op=ReduceOp.SUM, group=None, backend=None):
     """The reduction on ``dst``; the input, unchanged, elsewhere."""
+    if _traced(x):
+        return _tr().reduce(x, dst, op, group, backend)
     out = _copy_of(_check(x))
     _core.reduce(out, dst, op, group, backend=backend)
     return _to_jax(out) if _core.get_rank() == dst else x
 
 
 def broadcast(x, src: int = 0, group=None, backend=None):
+    if _traced(x):
+        return _tr().broadcast(x, src, group, backend)
     out = _copy_of(_check(x))
     _core.broadcast(out, src, group, backend=backend)
     return _to_jax(out)
@@ -92,6 +111,8 @@ def broadcast(x, src: int = 0, group=None, backend=None):
 
 def all_gather(x, group=None, backend=None, tiled: bool = False):
     """Shape (n, *x.shape), or (n * x.shape[0], ...) with ``tiled=True``."""
+    if _traced(x):
+        return _tr().all_gather(x, group, backend, tiled)
     _check(x)
     n = _size(group)
     out = _empty((n, *x.shape), _np_dtype(x))
@@ -104,6 +125,8 @@ def all_gather(x, group=None, backend=None, tiled: bool = False):
 def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None):
     """``x.shape[0]`` must be a multiple of the group size n; returns block i of the
     reduction, shape (x.shape[0] // n, ...), on group rank i."""
+    if _traced(x):
+        return _tr().reduce_scatter(x, op, group, backend)
     _check(x)
     n = _size(group)
     if x.ndim == 0 or x.shape[0] % n:
@@ -117,6 +140,8 @@ def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None):
 def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split_sizes=None):
     """Split the leading axis into n blocks (or the given sizes) and exchange them.
     With uneven splits, ``output_split_sizes`` gives the rows this rank receives."""
+    if _traced(x):
+        return _tr().all_to_all(x, group, backend, input_split_sizes, output_split_sizes)
     _check(x)
     rows = sum(output_split_sizes) if output_split_sizes else x.shape[0]
     out = _empty((rows, *x.shape[1:]), _np_dtype(x))
@@ -127,6 +152,8 @@ def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split
 
 def gather(x, dst: int = 0, group=None, backend=None):
     """Shape (n, *x.shape) on ``dst``; the input, unchanged, elsewhere."""
+    if _traced(x):
+        return _tr().gather(x, dst, group, backend)
     _check(x)
     n = _size(group)
     me = _core.get_rank()
@@ -141,6 +168,8 @@ def gather(x, dst: int = 0, group=None, backend=None):
 def scatter(x, src: int = 0, group=None, backend=None):
     """``x`` of shape (n, *s) on ``src`` (any array of that shape elsewhere): block i to
     group rank i, shape s."""
+    if _traced(x):
+        return _tr().scatter(x, src, group, backend)
     _check(x)
     n = _size(group)
     if x.ndim == 0 or x.shape[0] != n:
@@ -154,11 +183,15 @@ def scatter(x, src: int = 0, group=None, backend=None):
 
 # --- point to point -----------------------------------------------------------------------
 def send(x, dst: int, group=None, tag: int = 0, backend=None) -> None:
+    if _traced(x):
+        return _tr().send(x, dst, group, tag, backend)
     _core.send(_check(x), dst, group, tag, backend=backend)
 
 
 def recv(like, src: int | None = None, group=None, tag: int = 0, backend=None):
     """A new array shaped and typed like ``like``, filled from ``src`` (any if None)."""
+    if _traced(like):
+        return _tr().recv(like, src, group, tag, backend)
     _check(like, "like")
     out = _empty(like.shape, _np_dtype(like))
     _core.recv(out, src, group, tag, backend=backend)
@@ -169,6 +202,8 @@ def sendrecv(sendbuf, recvbuf_like, source: int, dest: int, group=None, tag: int
              backend=None):
     """Send ``sendbuf`` to ``dest`` and receive an array like ``recvbuf_like`` from
     ``source``, both posted before either is waited on (no ordering deadlock)."""
+    if _traced(sendbuf, recvbuf_like):
+        return _tr().sendrecv(sendbuf, recvbuf_like, source, dest, group, tag, backend)
     _check(sendbuf, "sendbuf")
     _check(recvbuf_like, "recvbuf_like")
     out = _empty(recvbuf_like.shape, _np_dtype(recvbuf_like))

@@ -1,0 +1,156 @@
+"""mcrdl_jax: every op x {mpi eager, gloo eager, mpi under jit} x {float32, bfloat16,
+int32} x {world, subgroup} against NumPy on every rank; inputs are never mutated; bad
+input and unsupported jit combinations are refused with clear errors."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mcrdl_jax as mj
+from conftest import RANK, grp  # noqa: F401  (fixture)
+from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32}
+N = 4
+
+pytestmark = [pytest.mark.parametrize("backend, mode", [("mpi", "eager"), ("gloo", "eager"),
+                                                       ("mpi", "jit")]),
+              pytest.mark.parametrize("dt", list(DTYPES))]
+
+
+@pytest.fixture
+def run(mode):
+    """run(fn, *arrays, **static): fn(*arrays, **static), eagerly or under jax.jit."""
+    def call(fn, *arrays, **static):
+        if mode == "jit":
+            return jax.jit(lambda *a: fn(*a, **static))(*arrays)
+        return fn(*arrays, **static)
+    return call
+
+
+def vals(rank, shape, dt, salt=0):
+    n = int(np.prod(shape))
+    return ((np.arange(n) * 7 + rank * 3 + salt) % 5 + 1).reshape(shape).astype(DTYPES[dt])
+
+
+def jx(a):
+    return jnp.asarray(a)
+
+
+def same(actual, expected):
+    a = np.asarray(actual).astype(np.float64)
+    np.testing.assert_allclose(a, np.asarray(expected).astype(np.float64), rtol=1e-2,
+                               err_msg=f"rank {RANK}")
+
+
+def test_all_reduce_and_input_unchanged(grp, backend, dt, run):
+    group, ranks, me = grp
+    x = jx(vals(RANK, (N,), dt))
+    y = run(mj.all_reduce, x, op="sum", group=group, backend=backend)
+    same(y, sum(vals(r, (N,), dt).astype(np.float64) for r in ranks))
+    same(x, vals(RANK, (N,), dt))  # functional: the input is untouched
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype
+
+
+def test_reduce(grp, backend, dt, run):
+    group, ranks, me = grp
+    x = jx(vals(RANK, (N,), dt))
+    y = run(mj.reduce, x, dst=ranks[-1], op="max", group=group, backend=backend)
+    same(y, np.max([vals(r, (N,), dt).astype(np.float64) for r in ranks], 0)
+         if RANK == ranks[-1] else vals(RANK, (N,), dt))
+
+
+def test_broadcast(grp, backend, dt, run):
+    group, ranks, me = grp
+    same(run(mj.broadcast, jx(vals(RANK, (2, N), dt)), src=ranks[0], group=group, backend=backend),
+         vals(ranks[0], (2, N), dt))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_all_gather(grp, backend, dt, tiled, run):
+    group, ranks, me = grp
+    y = run(mj.all_gather, jx(vals(RANK, (2, N), dt)), group=group, backend=backend,
+            tiled=tiled)
+    exp = np.stack([vals(r, (2, N), dt) for r in ranks])
+    same(y, exp.reshape(-1, N) if tiled else exp)
+
+
+def test_reduce_scatter(grp, backend, dt, run):
+    group, ranks, me = grp
+    n = len(ranks)
+    y = run(mj.reduce_scatter, jx(vals(RANK, (n * 2, N), dt)), op="sum", group=group,
+            backend=backend)
+    full = sum(vals(r, (n * 2, N), dt).astype(np.float64) for r in ranks)
+    same(y, full[me * 2:(me + 1) * 2])
+
+
+def test_all_to_all_even_and_uneven(grp, backend, dt, run, mode):
+    group, ranks, me = grp
+    n = len(ranks)
+    y = run(mj.all_to_all, jx(vals(RANK, (n * 2, N), dt)), group=group, backend=backend)
+    same(y, np.concatenate([vals(r, (n * 2, N), dt)[me * 2:(me + 1) * 2] for r in ranks]))
+    if mode == "jit":
+        with pytest.raises(UnsupportedError, match="uneven all_to_all under jax.jit"):
+            run(mj.all_to_all, jx(vals(RANK, (n, N), dt)), group=group, backend=backend,
+                input_split_sizes=[1] * n, output_split_sizes=[1] * n)
+        return
+    cnt = lambda i, j: (i + 2 * j) % 3 + 1  # noqa: E731
+    ins, outs = [cnt(me, j) for j in range(n)], [cnt(j, me) for j in range(n)]
+    y = mj.all_to_all(jx(vals(RANK, (sum(ins), N), dt)), group, backend, ins, outs)
+    parts = []
+    for j, r in enumerate(ranks):
+        start = sum(cnt(j, k) for k in range(me))
+        parts.append(vals(r, (sum(cnt(j, k) for k in range(n)), N), dt)[start:start + cnt(j, me)])
+    same(y, np.concatenate(parts))
+
+
+def test_gather_scatter(grp, backend, dt, run):
+    group, ranks, me = grp
+    n, root = len(ranks), ranks[0]
+    y = run(mj.gather, jx(vals(RANK, (N,), dt)), dst=root, group=group, backend=backend)
+    same(y, np.stack([vals(r, (N,), dt) for r in ranks]) if RANK == root else vals(RANK, (N,), dt))
+    z = run(mj.scatter, jx(vals(RANK, (n, N), dt)), src=root, group=group, backend=backend)
+    same(z, vals(root, (n, N), dt)[me])
+
+
+def test_send_recv_sendrecv(grp, backend, dt, run):
+    group, ranks, me = grp
+    n = len(ranks)
+    if n < 2:
+        pytest.skip("point-to-point needs 2 ranks in the group")
+    nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    y = run(mj.sendrecv, jx(vals(RANK, (N,), dt)), jnp.zeros(N, DTYPES[dt]), source=prv,
+            dest=nxt, group=group, tag=5, backend=backend)
+    same(y, vals(prv, (N,), dt))
+    if me == 0:
+        run(mj.send, jx(vals(RANK, (N,), dt)), dst=nxt, group=group, tag=6, backend=backend)
+    elif me == 1:
+        same(run(mj.recv, jnp.zeros(N, DTYPES[dt]), src=prv, group=group, tag=6,
+                     backend=backend), vals(prv, (N,), dt))
+
+
+def test_bad_input(backend, dt, mode):
+    if mode == "jit":
+        with pytest.raises(UnsupportedError, match="under jax.jit only the mpi backend lowers"):
+            jax.jit(lambda v: mj.all_reduce(v, backend="gloo"))(jnp.ones(3, DTYPES[dt]))
+        with pytest.raises(UnsupportedError, match="AVG needs a floating dtype"):
+            jax.jit(lambda v: mj.all_reduce(v, "avg", backend="mpi"))(jnp.ones(3, jnp.int32))
+        return
+    with pytest.raises(InvalidArgumentError, match="must be a JAX"):
+        mj.all_reduce([1, 2, 3], backend=backend)
+
+
+def test_two_independent_collectives_in_one_jit(backend, dt, mode):
+    """No data dependency between them: they must still run in program order everywhere."""
+    if mode != "jit":
+        pytest.skip("a jit property")
+    from conftest import SIZE
+
+    @jax.jit
+    def f(a, b):
+        return mj.all_reduce(a, backend="mpi"), mj.all_gather(b, backend="mpi")
+
+    s, g = f(jx(vals(RANK, (N,), dt)), jx(vals(RANK, (2,), dt, 1)))
+    same(s, sum(vals(r, (N,), dt).astype(np.float64) for r in range(SIZE)))
+    same(g, np.stack([vals(r, (2,), dt, 1) for r in range(SIZE)]))
