@@ -1,8 +1,7 @@
-"""Timing helpers shared by the benchmarks: every rank times each call, the figure for a
-call is the slowest rank's, and a series is summarised by its median."""
+"""Timing helper of bench/overhead.py: every rank times each call; the figure for a
+call is the slowest rank's. (`mcrdl bench` has its own interleaved sweep: sweep.py.)"""
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
@@ -25,11 +24,3 @@ def per_call_times(fn, iters: int, warmup: int = 10) -> np.ndarray:
     COMM.Allreduce(out, worst, op=MPI.MAX)
     return worst
 
-
-def median_us(fn, iters: int, warmup: int = 10) -> float:
-    return float(statistics.median(per_call_times(fn, iters, warmup))) * 1e6
-
-
-def iters_for(nbytes: int) -> int:
-    """Enough calls for a stable median without making large sizes slow."""
-    return max(10, min(400, (64 << 20) // max(nbytes, 1) // 8))

@@ -195,10 +195,8 @@ def _pick(rt, op: str, size: int) -> str:
     if core_op is Op.BARRIER:
         buf = Buffer.from_numpy(np.zeros(1, dtype=np.uint8))
     else:
-        buf = Buffer.from_numpy(np.empty(max(size // 4, 1), dtype=np.float32))
-        if core_op is Op.ALL_TO_ALL:
-            buf = Buffer.from_numpy(np.empty(max(size // 4 // rt.world_size, 1) * rt.world_size,
-                                             dtype=np.float32))
+        count = _sweep.element_count(op, size, rt.world_size, 4)
+        buf = Buffer.from_numpy(np.empty(count, dtype=np.float32))
     reduce_op = ReduceOp.SUM if core_op in (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER) else None
     return rt.select(core_op, rt.world, buf, "auto", reduce_op).name
 

@@ -27,6 +27,13 @@ def trials_for(nbytes: int, scale: float = 1.0) -> int:
     return max(12, int(min(200, (512 << 20) // max(nbytes, 1) // 16) * scale))
 
 
+def element_count(op: str, nbytes: int, n: int, itemsize: int) -> int:
+    """Elements of the buffer the selection sees for a sweep point of ``nbytes``: the
+    per-rank payload, except all-to-all, whose whole input (n equal blocks) is it."""
+    count = max(nbytes // itemsize, 1)
+    return max(count // n, 1) * n if op == "all_to_all" else count
+
+
 def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None):
     """A zero-argument function doing one ``op`` of ``nbytes`` per rank on ``backend``."""
     rt = get_runtime()
@@ -48,7 +55,7 @@ def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None):
     if op == "reduce_scatter":
         return lambda: api.reduce_scatter_tensor(x, big, **kw)
     if op == "all_to_all":  # the selection size of all-to-all is the whole input
-        inp = np.ones(max(count // n, 1) * n, dtype=dtype)
+        inp = np.ones(element_count(op, nbytes, n, x.itemsize), dtype=dtype)
         out = np.empty_like(inp)
         return lambda: api.all_to_all_single(out, inp, **kw)
     if op == "gather":
