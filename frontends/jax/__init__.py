@@ -30,6 +30,8 @@ from mcrdl_core import ReduceOp  # noqa: F401  (public name)
 from mcrdl_core import dtypes as _dt
 from mcrdl_core.errors import InvalidArgumentError
 
+from .shapes import leading_blocks
+
 ALIGN = 64  # bytes; JAX adopts host memory without a copy at this alignment
 
 
@@ -128,11 +130,8 @@ def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None):
     if _traced(x):
         return _tr().reduce_scatter(x, op, group, backend)
     _check(x)
-    n = _size(group)
-    if x.ndim == 0 or x.shape[0] % n:
-        raise InvalidArgumentError(f"mcrdl_jax.reduce_scatter: leading axis of shape {x.shape} "
-                                   f"must be a multiple of the group size {n}")
-    out = _empty((x.shape[0] // n, *x.shape[1:]), _np_dtype(x))
+    k = leading_blocks(x, _size(group), "reduce_scatter")
+    out = _empty((k, *x.shape[1:]), _np_dtype(x))
     _core.reduce_scatter_tensor(out, x, op, group, backend=backend)
     return _to_jax(out)
 
@@ -171,10 +170,7 @@ def scatter(x, src: int = 0, group=None, backend=None):
     if _traced(x):
         return _tr().scatter(x, src, group, backend)
     _check(x)
-    n = _size(group)
-    if x.ndim == 0 or x.shape[0] != n:
-        raise InvalidArgumentError(f"mcrdl_jax.scatter: x must have a leading axis of the group "
-                                   f"size {n}, got shape {x.shape}")
+    leading_blocks(x, _size(group), "scatter", exact=True)
     out = _empty(x.shape[1:], _np_dtype(x))
     blocks = list(_core.as_buffer(x).host()) if _core.get_rank() == src else None
     _core.scatter(out, blocks, src, group, backend=backend)

@@ -19,9 +19,12 @@ from mpi4py import MPI
 import mcrdl_core as _core
 from mcrdl_core import dtypes as _dt
 from mcrdl_core import validate as _v
+from mcrdl_core.api import _prepare
 from mcrdl_core.buffer import CPU, Buffer
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.errors import UnsupportedError
 from mcrdl_core.ops import Op, ReduceOp
+
+from .shapes import leading_blocks
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
             ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
@@ -29,21 +32,16 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.
 
 
 def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1):
-    """(group, mpi communicator, reduce op) for a traced call, or a clear error."""
-    rt = _core.get_runtime()
-    g = rt.group(group)
-    dtype = _dt.lookup(np.dtype(x.dtype))
-    probe = Buffer(0, tuple(x.shape), dtype, CPU)  # metadata only: selection needs no memory
+    """(group, mpi communicator, reduce op) for a traced call, or a clear error. The
+    same checks and selection as an eager call, on a Buffer that is metadata only."""
+    probe = Buffer(0, tuple(x.shape), _dt.lookup(np.dtype(x.dtype)), CPU)
     _v.dtype(probe, "x")
-    if reduce_op is not None:
-        reduce_op = ReduceOp.coerce(reduce_op)
-        _v.reduce_op(reduce_op, dtype)
-    be = rt.select(op, g, probe, backend, reduce_op, nbytes)
+    _, g, be, reduce_op = _prepare(op, group, probe, backend, reduce_op, nbytes)
     if be.name != "mpi":
         raise UnsupportedError(
             f"mcrdl_jax: under jax.jit only the mpi backend lowers so far (through mpi4jax); "
-            f"{op} on {dtype.name}{list(x.shape)} chose '{be.name}'. Pass backend='mpi', or "
-            "call outside jit")
+            f"{op} on {probe.dtype.name}{list(x.shape)} chose '{be.name}'. Pass backend='mpi', "
+            "or call outside jit")
     return g, be.comm(g), reduce_op
 
 
@@ -86,11 +84,7 @@ def all_gather(x, group, backend, tiled):
 
 def reduce_scatter(x, op, group, backend):
     """MPI's reduce-scatter built from mpi4jax's all-reduce and a static slice."""
-    n = _core.get_runtime().group(group).size
-    if x.ndim == 0 or x.shape[0] % n:
-        raise InvalidArgumentError(f"mcrdl_jax.reduce_scatter: leading axis of shape {x.shape} "
-                                   f"must be a multiple of the group size {n}")
-    k = x.shape[0] // n
+    k = leading_blocks(x, _core.get_runtime().group(group).size, "reduce_scatter")
     g, comm, op = _lower(Op.REDUCE_SCATTER, x, group, backend, op, nbytes=k * x.dtype.itemsize
                          * int(np.prod(x.shape[1:], dtype=np.int64)))
     xw, back = _wide(x)
@@ -103,12 +97,10 @@ def all_to_all(x, group, backend, input_split_sizes, output_split_sizes):
         raise UnsupportedError("mcrdl_jax: uneven all_to_all under jax.jit is not supported "
                                "(shapes must be static); call it outside jit")
     n = _core.get_runtime().group(group).size
-    if x.ndim == 0 or x.shape[0] % n:
-        raise InvalidArgumentError(f"mcrdl_jax.all_to_all: leading axis of shape {x.shape} must "
-                                   f"be a multiple of the group size {n}")
+    k = leading_blocks(x, n, "all_to_all")
     g, comm, _ = _lower(Op.ALL_TO_ALL, x, group, backend)
     xw, back = _wide(x)
-    blocks = xw.reshape((n, x.shape[0] // n, *x.shape[1:]))
+    blocks = xw.reshape((n, k, *x.shape[1:]))
     return back(mpi4jax.alltoall(blocks, comm=comm).reshape(x.shape))
 
 
@@ -121,6 +113,7 @@ def gather(x, dst, group, backend):
 
 
 def scatter(x, src, group, backend):
+    leading_blocks(x, _core.get_runtime().group(group).size, "scatter", exact=True)
     g, comm, _ = _lower(Op.SCATTER, x[0], group, backend)
     root = g.group_rank(src, "src")
     xw, back = _wide(x)
