@@ -2,7 +2,7 @@
 
 Before each collective every member contributes a small int64 signature (op, backend,
 dtype, device, reduce op, root, per-rank element count and, for all-to-all, its split
-counts). The signatures are all-gathered on a control backend (MPI when available,
+counts, and, for calls traced under a JIT, the array shape). The signatures are all-gathered on a control backend (MPI when available,
 else Gloo) that does not depend on what the call chose, so every rank sees the same
 table and raises the same MismatchError naming the ranks that differ, instead of
 hanging or corrupting memory. Point-to-point calls are not checked (only two ranks
@@ -27,7 +27,22 @@ def _backend_names():
     return sorted(REGISTRY)
 
 
-def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n):
+_MAX_DIMS = 8  # shapes of up to this many dimensions are compared dimension by dimension
+
+
+def _encode_shape(shape):
+    if shape is None:
+        return [-1] * (_MAX_DIMS + 1)
+    dims = list(shape)[:_MAX_DIMS]
+    return [len(shape)] + dims + [-1] * (_MAX_DIMS - len(dims))
+
+
+def _decode_shape(part):
+    ndim = int(part[0])
+    return "unchecked" if ndim < 0 else str(tuple(int(d) for d in part[1:1 + min(ndim, _MAX_DIMS)]))
+
+
+def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n, shape=None):
     head = [_OPS.index(op), _backend_names().index(backend), _dt.ALL.index(dtype),
             0 if device.kind == "cpu" else 1, -1 if reduce_op is None else _REDUCE.index(reduce_op),
             -1 if root is None else root, -1 if count is None else count]
@@ -35,7 +50,7 @@ def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n):
     if counts is not None:
         out_counts, in_counts = counts
         tail = list(out_counts) + list(in_counts)
-    return np.array(head + tail, dtype=np.int64)
+    return np.array(head + tail + _encode_shape(shape), dtype=np.int64)
 
 
 def _decode(row, field):
@@ -50,11 +65,15 @@ def _decode(row, field):
     }.get(field, lambda: v)()
 
 
-def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None, counts=None):
+def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None, counts=None,
+          shape=None):
+    """``shape``: also compare the array shape (the JAX frontend passes it for traced
+    calls, where a shape that differs between ranks would otherwise hang or corrupt)."""
     n = group.size
     if n == 1:
         return
-    mine = _encode(op, backend.name, buf.dtype, buf.device, reduce_op, root, count, counts, n)
+    mine = _encode(op, backend.name, buf.dtype, buf.device, reduce_op, root, count, counts, n,
+                   shape)
     ctrl = rt.backend("mpi" if rt.unavailable_reason("mpi") is None else "gloo")
     inp = Buffer.from_numpy(mine)
     table = np.zeros((n, mine.size), dtype=np.int64)
@@ -66,6 +85,12 @@ def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None,
                 problems.append(f"group rank {r} (global {group.ranks[r]}) has {field} "
                                 f"{_decode(table[r], field)} where group rank 0 has "
                                 f"{_decode(table[0], field)}")
+    shapes = table[:, -(_MAX_DIMS + 1):]
+    for r in range(1, n):
+        if (shapes[r] != shapes[0]).any():
+            problems.append(f"group rank {r} (global {group.ranks[r]}) has shape "
+                            f"{_decode_shape(shapes[r])} where group rank 0 has shape "
+                            f"{_decode_shape(shapes[0])}")
     if counts is not None:
         out_m, in_m = table[:, 7:7 + n], table[:, 7 + n:]
         for i in range(n):

@@ -1,52 +1,50 @@
-"""mcrdl_jax: functional collectives on JAX arrays, eager and under ``jax.jit``.
+"""mcrdl_jax: functional collectives on JAX arrays, eager, under ``jax.jit``, ``jax.grad``
+and ``jax.vmap``.
 
 Every call returns new arrays and never changes its inputs. Names follow the torch
 frontend; shapes follow JAX conventions (``jax.lax.all_gather`` stacks on a new
 leading axis unless ``tiled=True``; ``reduce_scatter`` splits the leading axis).
 
-Eager path: the input goes into the core through DLPack with no copy. Results are
-written into fresh 64-byte-aligned host buffers and handed to JAX through DLPack,
-again with no copy. Two exceptions: bfloat16 results are copied once (DLPack from
-NumPy has no bfloat16), and ops that work in place in the core (all_reduce, reduce,
-broadcast) first copy the input into the result buffer, since JAX arrays are immutable.
+- Concrete arrays take the eager path (``eager.py``): DLPack into the core, no copy on
+  the way in or out (bfloat16 results: one copy), any backend.
+- Traced arrays (inside ``jit``, ``grad``, ``vmap``) go through ``autodiff.py``, which
+  gives every op its derivative and batching rule, to ``lowering.py``: the backend is
+  chosen at trace time by the same selection as eager calls; MPI lowers to mpi4jax's
+  primitives, every other case to an XLA host callback running the core. All of them
+  share one ordered effect, so the calls of a jitted function run in program order on
+  every rank.
 
-Under ``jax.jit`` (traced inputs) the backend is chosen at trace time from the static
-shape and dtype, and MPI calls lower to mpi4jax primitives (``traced.py``). Calls that
-choose another backend, uneven all-to-all, and recv from any source raise a clear error
-under jit for now; ``barrier()`` takes no array and always runs eagerly. The XLA-callback
-path for Gloo, autodiff rules and vmap are the open part of the JAX issue. CPU arrays
-only, until the backends handle CUDA buffers.
+``send`` returns a token, a float32 zero: under ``jax.grad`` make it part of what you
+differentiate so that the cotangent comes back (see ``autodiff.py`` for the rules).
+Before an eager call, work that jitted programs with communication left in flight is
+waited for (``jax.effects_barrier``), so that eager and jitted calls on one
+communicator never overlap. CPU arrays only, until the backends handle CUDA buffers.
 """
 from __future__ import annotations
 
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import ReduceOp  # noqa: F401  (public name)
-from mcrdl_core import dtypes as _dt
 from mcrdl_core.errors import InvalidArgumentError
 
+from . import eager as _eager
 from .shapes import leading_blocks
 
-ALIGN = 64  # bytes; JAX adopts host memory without a copy at this alignment
+_traced_comm = []  # non-empty once a jitted program with a communication was traced
+
+
+def _diff():
+    """The traced path, imported on first use."""
+    from . import autodiff
+    if not _traced_comm:
+        _traced_comm.append(True)
+    return autodiff
 
 
 def _traced(*xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
-def _tr():
-    """The jit path, imported on first use (it needs mpi4jax)."""
-    try:
-        from . import traced
-    except ImportError as exc:
-        raise InvalidArgumentError(f"mcrdl_jax under jax.jit needs mpi4jax ({exc}); install the "
-                                   "'mcr-dl[jax]' extra, or call outside jit") from exc
-    return traced
 
 
 def _check(x, what: str = "x"):
@@ -56,161 +54,94 @@ def _check(x, what: str = "x"):
     return x
 
 
-def _empty(shape, dtype) -> np.ndarray:
-    """Uninitialized host memory aligned to ALIGN bytes."""
-    dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % ALIGN
-    return raw[off:off + nbytes].view(dt).reshape(shape)
+def _path(*xs):
+    """autodiff (traced values) or eager (concrete ones, after in-flight jitted
+    communication has finished)."""
+    for i, x in enumerate(xs):
+        _check(x, "x" if i == 0 else "like")
+    if _traced(*xs):
+        return _diff()
+    if _traced_comm:
+        jax.effects_barrier()
+    return _eager
 
 
-def _np_dtype(x):
-    return _dt.lookup(np.dtype(x.dtype)).np_dtype
-
-
-def _to_jax(arr: np.ndarray):
-    if arr.dtype == _dt.bfloat16.np_dtype:
-        return jnp.asarray(arr)  # one copy: DLPack from NumPy has no bfloat16
-    return jax.dlpack.from_dlpack(arr)
-
-
-def _copy_of(x) -> np.ndarray:
-    out = _empty(x.shape, _np_dtype(x))
-    out[...] = _core.as_buffer(x).host()
-    return out
-
-
-def _size(group) -> int:
-    return _core.get_world_size(group)
+def _splits(s):
+    return None if s is None else tuple(int(v) for v in s)
 
 
 # --- collectives --------------------------------------------------------------------------
 def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None):
-    if _traced(x):
-        return _tr().all_reduce(x, op, group, backend)
-    out = _copy_of(_check(x))
-    _core.all_reduce(out, op, group, backend=backend)
-    return _to_jax(out)
+    return _path(x).all_reduce(x, op, group, backend)
 
 
 def reduce(x, dst: int = 0, op=ReduceOp.SUM, group=None, backend=None):
     """The reduction on ``dst``; the input, unchanged, elsewhere."""
-    if _traced(x):
-        return _tr().reduce(x, dst, op, group, backend)
-    out = _copy_of(_check(x))
-    _core.reduce(out, dst, op, group, backend=backend)
-    return _to_jax(out) if _core.get_rank() == dst else x
+    return _path(x).reduce(x, dst, op, group, backend)
 
 
 def broadcast(x, src: int = 0, group=None, backend=None):
-    if _traced(x):
-        return _tr().broadcast(x, src, group, backend)
-    out = _copy_of(_check(x))
-    _core.broadcast(out, src, group, backend=backend)
-    return _to_jax(out)
+    return _path(x).broadcast(x, src, group, backend)
 
 
 def all_gather(x, group=None, backend=None, tiled: bool = False):
     """Shape (n, *x.shape), or (n * x.shape[0], ...) with ``tiled=True``."""
-    if _traced(x):
-        return _tr().all_gather(x, group, backend, tiled)
-    _check(x)
-    n = _size(group)
-    out = _empty((n, *x.shape), _np_dtype(x))
-    _core.all_gather_into_tensor(out, x, group, backend=backend)
+    y = _path(x).all_gather(x, group, backend)
     if tiled:
-        out = out.reshape((n * x.shape[0], *x.shape[1:]) if x.ndim else (n,))
-    return _to_jax(out)
+        y = y.reshape((y.shape[0] * x.shape[0], *x.shape[1:]) if x.ndim else (y.shape[0],))
+    return y
 
 
 def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None):
     """``x.shape[0]`` must be a multiple of the group size n; returns block i of the
     reduction, shape (x.shape[0] // n, ...), on group rank i."""
-    if _traced(x):
-        return _tr().reduce_scatter(x, op, group, backend)
-    _check(x)
-    k = leading_blocks(x, _size(group), "reduce_scatter")
-    out = _empty((k, *x.shape[1:]), _np_dtype(x))
-    _core.reduce_scatter_tensor(out, x, op, group, backend=backend)
-    return _to_jax(out)
+    return _path(x).reduce_scatter(x, op, group, backend)
 
 
 def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split_sizes=None):
     """Split the leading axis into n blocks (or the given sizes) and exchange them.
     With uneven splits, ``output_split_sizes`` gives the rows this rank receives."""
-    if _traced(x):
-        return _tr().all_to_all(x, group, backend, input_split_sizes, output_split_sizes)
-    _check(x)
-    rows = sum(output_split_sizes) if output_split_sizes else x.shape[0]
-    out = _empty((rows, *x.shape[1:]), _np_dtype(x))
-    _core.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group,
-                            backend=backend)
-    return _to_jax(out)
+    return _path(x).all_to_all(x, group, backend, _splits(input_split_sizes),
+                               _splits(output_split_sizes))
 
 
 def gather(x, dst: int = 0, group=None, backend=None):
     """Shape (n, *x.shape) on ``dst``; the input, unchanged, elsewhere."""
-    if _traced(x):
-        return _tr().gather(x, dst, group, backend)
-    _check(x)
-    n = _size(group)
-    me = _core.get_rank()
-    outs = None
-    if me == dst:
-        stacked = _empty((n, *x.shape), _np_dtype(x))
-        outs = list(stacked)
-    _core.gather(x, outs, dst, group, backend=backend)
-    return _to_jax(stacked) if me == dst else x
+    return _path(x).gather(x, dst, group, backend)
 
 
 def scatter(x, src: int = 0, group=None, backend=None):
     """``x`` of shape (n, *s) on ``src`` (any array of that shape elsewhere): block i to
     group rank i, shape s."""
-    if _traced(x):
-        return _tr().scatter(x, src, group, backend)
     _check(x)
-    leading_blocks(x, _size(group), "scatter", exact=True)
-    out = _empty(x.shape[1:], _np_dtype(x))
-    blocks = list(_core.as_buffer(x).host()) if _core.get_rank() == src else None
-    _core.scatter(out, blocks, src, group, backend=backend)
-    return _to_jax(out)
+    leading_blocks(x, _core.get_world_size(group), "scatter", exact=True)
+    return _path(x).scatter(x, src, group, backend)
 
 
 # --- point to point -----------------------------------------------------------------------
-def send(x, dst: int, group=None, tag: int = 0, backend=None) -> None:
-    if _traced(x):
-        return _tr().send(x, dst, group, tag, backend)
-    _core.send(_check(x), dst, group, tag, backend=backend)
+def send(x, dst: int, group=None, tag: int = 0, backend=None):
+    """Send ``x`` to ``dst``. Returns a token (float32 zero); under ``jax.grad`` include it
+    in what you differentiate so that the cotangent is received back."""
+    return _path(x).send(x, dst, group, int(tag), backend)
 
 
 def recv(like, src: int | None = None, group=None, tag: int = 0, backend=None):
     """A new array shaped and typed like ``like``, filled from ``src`` (any if None)."""
-    if _traced(like):
-        return _tr().recv(like, src, group, tag, backend)
-    _check(like, "like")
-    out = _empty(like.shape, _np_dtype(like))
-    _core.recv(out, src, group, tag, backend=backend)
-    return _to_jax(out)
+    return _path(like).recv(like, src, group, int(tag), backend)
 
 
 def sendrecv(sendbuf, recvbuf_like, source: int, dest: int, group=None, tag: int = 0,
              backend=None):
     """Send ``sendbuf`` to ``dest`` and receive an array like ``recvbuf_like`` from
     ``source``, both posted before either is waited on (no ordering deadlock)."""
-    if _traced(sendbuf, recvbuf_like):
-        return _tr().sendrecv(sendbuf, recvbuf_like, source, dest, group, tag, backend)
-    _check(sendbuf, "sendbuf")
-    _check(recvbuf_like, "recvbuf_like")
-    out = _empty(recvbuf_like.shape, _np_dtype(recvbuf_like))
-    ws = _core.send(sendbuf, dest, group, tag, async_op=True, backend=backend)
-    wr = _core.recv(out, source, group, tag, async_op=True, backend=backend)
-    wr.wait()
-    ws.wait()
-    return _to_jax(out)
+    return _path(sendbuf, recvbuf_like).sendrecv(sendbuf, recvbuf_like, source, dest, group,
+                                                 int(tag), backend)
 
 
 def barrier(group=None, backend=None) -> None:
+    """Always eager (it takes no array); waits for in-flight jitted communication first."""
+    if _traced_comm:
+        jax.effects_barrier()
     _core.barrier(group, backend=backend)
 
 

@@ -1,6 +1,7 @@
-"""mcrdl_jax: every op x {mpi eager, gloo eager, mpi under jit} x {float32, bfloat16,
-int32} x {world, subgroup} against NumPy on every rank; inputs are never mutated; bad
-input and unsupported jit combinations are refused with clear errors."""
+"""mcrdl_jax: every op x {mpi, gloo} x {eager, jit} x {float32, bfloat16, float16,
+int32} x {world, subgroup} against NumPy on every rank; inputs are never mutated; calls
+of two backends in one jitted function keep their order; bad input is refused with
+clear errors (debug mode: shapes that differ across ranks, at trace time)."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,14 +9,15 @@ import numpy as np
 import pytest
 
 import mcrdl_jax as mj
-from conftest import RANK, grp  # noqa: F401  (fixture)
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from conftest import RANK, SIZE, grp  # noqa: F401  (fixture)
+from mcrdl_core.errors import DtypeError, InvalidArgumentError, UnsupportedError
 
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+          "int32": np.int32}
 N = 4
 
-pytestmark = [pytest.mark.parametrize("backend, mode", [("mpi", "eager"), ("gloo", "eager"),
-                                                       ("mpi", "jit")]),
+pytestmark = [pytest.mark.parametrize("backend", ["mpi", "gloo"]),
+              pytest.mark.parametrize("mode", ["eager", "jit"]),
               pytest.mark.parametrize("dt", list(DTYPES))]
 
 
@@ -90,14 +92,10 @@ def test_all_to_all_even_and_uneven(grp, backend, dt, run, mode):
     n = len(ranks)
     y = run(mj.all_to_all, jx(vals(RANK, (n * 2, N), dt)), group=group, backend=backend)
     same(y, np.concatenate([vals(r, (n * 2, N), dt)[me * 2:(me + 1) * 2] for r in ranks]))
-    if mode == "jit":
-        with pytest.raises(UnsupportedError, match="uneven all_to_all under jax.jit"):
-            run(mj.all_to_all, jx(vals(RANK, (n, N), dt)), group=group, backend=backend,
-                input_split_sizes=[1] * n, output_split_sizes=[1] * n)
-        return
     cnt = lambda i, j: (i + 2 * j) % 3 + 1  # noqa: E731
     ins, outs = [cnt(me, j) for j in range(n)], [cnt(j, me) for j in range(n)]
-    y = mj.all_to_all(jx(vals(RANK, (sum(ins), N), dt)), group, backend, ins, outs)
+    y = run(mj.all_to_all, jx(vals(RANK, (sum(ins), N), dt)), group=group, backend=backend,
+            input_split_sizes=ins, output_split_sizes=outs)
     parts = []
     for j, r in enumerate(ranks):
         start = sum(cnt(j, k) for k in range(me))
@@ -127,30 +125,76 @@ def test_send_recv_sendrecv(grp, backend, dt, run):
         run(mj.send, jx(vals(RANK, (N,), dt)), dst=nxt, group=group, tag=6, backend=backend)
     elif me == 1:
         same(run(mj.recv, jnp.zeros(N, DTYPES[dt]), src=prv, group=group, tag=6,
-                     backend=backend), vals(prv, (N,), dt))
+                 backend=backend), vals(prv, (N,), dt))
+    # any source: rank 1 of the group sends to rank 0
+    if me == 1:
+        run(mj.send, jx(vals(RANK, (N,), dt, 2)), dst=ranks[0], group=group, tag=7,
+            backend=backend)
+    elif me == 0:
+        same(run(mj.recv, jnp.zeros(N, DTYPES[dt]), src=None, group=group, tag=7,
+                 backend=backend), vals(ranks[1], (N,), dt, 2))
 
 
-def test_bad_input(backend, dt, mode):
-    if mode == "jit":
-        with pytest.raises(UnsupportedError, match="under jax.jit only the mpi backend lowers"):
-            jax.jit(lambda v: mj.all_reduce(v, backend="gloo"))(jnp.ones(3, DTYPES[dt]))
-        with pytest.raises(UnsupportedError, match="AVG needs a floating dtype"):
-            jax.jit(lambda v: mj.all_reduce(v, "avg", backend="mpi"))(jnp.ones(3, jnp.int32))
-        return
+def test_bad_input(backend, dt, mode, run):
     with pytest.raises(InvalidArgumentError, match="must be a JAX"):
         mj.all_reduce([1, 2, 3], backend=backend)
+    x = jnp.ones(3, DTYPES[dt])
+    if dt == "int32":
+        with pytest.raises(UnsupportedError, match="AVG needs a floating dtype"):
+            run(mj.all_reduce, x, op="avg", backend=backend)
+    else:
+        with pytest.raises(UnsupportedError, match="BAND is bitwise and needs an integer"):
+            run(mj.all_reduce, x, op="band", backend=backend)
+    with pytest.raises(DtypeError, match="complex64, which MCR-DL does not communicate"):
+        run(mj.all_reduce, jnp.ones(3, jnp.complex64), backend=backend)
+    if SIZE > 1:
+        with pytest.raises(InvalidArgumentError, match="multiple of the group size"):
+            run(mj.reduce_scatter, jnp.ones((SIZE * 2 + 1, 2), DTYPES[dt]), backend=backend)
+    with pytest.raises(InvalidArgumentError, match="split sizes"):
+        run(mj.all_to_all, jnp.ones((SIZE, 2), DTYPES[dt]), backend=backend,
+            input_split_sizes=[1] * (SIZE + 1), output_split_sizes=[1] * (SIZE + 1))
 
 
-def test_two_independent_collectives_in_one_jit(backend, dt, mode):
-    """No data dependency between them: they must still run in program order everywhere."""
+def test_two_backends_in_one_jit_keep_program_order(backend, dt, mode):
+    """Two collectives with no data dependency, one on each backend, in one jitted
+    function: if XLA ran them in different orders on different ranks, the ranks would
+    wait on each other forever (Gloo's wait would time out). They share one ordered
+    effect, so they run in program order everywhere; both orders are tried."""
     if mode != "jit":
         pytest.skip("a jit property")
-    from conftest import SIZE
+    other = {"mpi": "gloo", "gloo": "mpi"}[backend]
 
     @jax.jit
-    def f(a, b):
-        return mj.all_reduce(a, backend="mpi"), mj.all_gather(b, backend="mpi")
+    def f(a, b, c):
+        return (mj.all_reduce(a, backend=backend), mj.all_gather(b, backend=other),
+                mj.broadcast(c, src=SIZE - 1, backend=backend))
 
-    s, g = f(jx(vals(RANK, (N,), dt)), jx(vals(RANK, (2,), dt, 1)))
+    s, g, c = f(jx(vals(RANK, (N,), dt)), jx(vals(RANK, (2,), dt, 1)), jx(vals(RANK, (3,), dt)))
     same(s, sum(vals(r, (N,), dt).astype(np.float64) for r in range(SIZE)))
     same(g, np.stack([vals(r, (2,), dt, 1) for r in range(SIZE)]))
+    same(c, vals(SIZE - 1, (3,), dt))
+    text = f.lower(jx(vals(RANK, (N,), dt)), jx(vals(RANK, (2,), dt, 1)),
+                   jx(vals(RANK, (3,), dt))).as_text()
+    # the MPI calls lower to mpi4jax, the Gloo call to a host callback, in one token chain
+    assert "mpi_allreduce_ffi" in text or "mpi_bcast_ffi" in text or "mpi_allgather_ffi" in text
+    assert "python_cpu_callback" in text
+
+
+def test_debug_mode_refuses_shapes_that_differ_across_ranks(backend, dt, mode):
+    """MCRDL_DEBUG=1: a traced collective whose shape differs between ranks is a clear
+    MismatchError at trace time on every rank, not a hang or garbage."""
+    if mode != "jit" or SIZE < 2:
+        pytest.skip("a jit property, needs 2 ranks")
+    from mcrdl_core.errors import MismatchError
+    rt = __import__("mcrdl_core").get_runtime()
+    rt.debug = True
+    try:
+        shape = (2, 3) if RANK == 0 else (3, 2)  # same element count, different shape
+        with pytest.raises(MismatchError, match=r"shape \(3, 2\) where group rank 0 has shape "
+                                                r"\(2, 3\)"):
+            jax.jit(lambda v: mj.all_reduce(v, backend=backend))(jnp.ones(shape, DTYPES[dt]))
+        # the same call with equal shapes passes the check
+        y = jax.jit(lambda v: mj.all_reduce(v, backend=backend))(jnp.ones((2, 3), DTYPES[dt]))
+        same(y, np.full((2, 3), SIZE))
+    finally:
+        rt.debug = False

@@ -1,0 +1,254 @@
+"""Differentiation and vmap for mcrdl_jax's ops on traced values.
+
+Convention. A multi-process program is one function of every rank's inputs to every
+rank's outputs, and the quantity differentiated is the *sum over ranks* of what each
+rank differentiates. So the cotangent of an input gathers the cotangents of every
+output it reached, on whichever rank they are:
+
+=================  ===========================================================
+forward            backward (the cotangent travels back)
+=================  ===========================================================
+all_reduce SUM     all_reduce SUM of the cotangent (AVG: then divide by n)
+reduce SUM/AVG     broadcast from the root
+broadcast          reduce SUM to the root (zeros elsewhere)
+all_gather         reduce_scatter SUM
+reduce_scatter     all_gather (SUM; AVG divides by n)
+all_to_all         all_to_all with the splits swapped
+gather             scatter from the root
+scatter            gather to the root (zeros elsewhere)
+send(x, dst)       recv from dst into x's cotangent
+recv(like, src)    send the cotangent to src
+sendrecv           sendrecv with source and dest swapped
+=================  ===========================================================
+
+This is the convention of ``torch.distributed.nn`` and of JAX's ``psum`` under
+``pmap``. mpi4jax differs for all-reduce (its transpose is the identity, treating
+the result as one replicated value): differentiate each rank's own share of a loss,
+not an all-reduced copy of it, or divide by the group size. Other reduce ops (MAX,
+MIN, PRODUCT, bitwise) and recv from any source are not differentiable: a clear error
+when the gradient is asked for, before anything is sent.
+
+JAX differentiates only what the output depends on, so a rank takes part in a backward
+communication only if its forward call lies between a differentiated input and the
+output. Two rules follow for point-to-point, since the pair must meet:
+
+- ``send`` returns a token (a float32 zero): make it part of what you differentiate
+  (``return loss + tok``), or the sender never waits for the cotangent;
+- ``recv``'s cotangent goes back only if ``like`` depends on a differentiated input
+  (pass the stage input you differentiate; see bench/apps/jax_pipeline.py).
+``sendrecv`` and the collectives need nothing more than every rank differentiating the
+same program.
+
+vmap: every op maps, as B independent calls made as one call on the batch. Ops that
+split the leading axis (reduce_scatter, all_to_all, scatter) and ops that stack a new
+leading axis (all_gather, gather) move the batch axis out of the way and back. Under
+vmap, ``recv``'s ``like`` must be batched like the sender's array.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from mcrdl_core.errors import UnsupportedError
+from mcrdl_core.ops import ReduceOp
+
+from . import eager, lowering
+
+# where the batch axis goes in the first array so that the op sees its own axis first
+_IN_AXIS = {"reduce_scatter": 1, "all_to_all": 1, "scatter": 1}
+
+
+def concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def run(name, arrays, statics):
+    """The op on concrete arrays (eager) or on traced ones (the jit lowering, mappable)."""
+    if concrete(*arrays):
+        return getattr(eager, name)(*arrays, *statics)
+    return _mappable(name, list(arrays), statics)
+
+
+def _mappable(name, arrays, statics):
+    fn = getattr(lowering, name)
+    in_axis = _IN_AXIS.get(name, 0)
+
+    @custom_vmap
+    def call(*arrs):
+        return fn(*arrs, *statics)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *arrs):
+        arrs = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, b in zip(arrs, in_batched)]
+        first = jnp.moveaxis(arrs[0], 0, in_axis)
+        out = _mappable(name, [first, *arrs[1:]], statics)  # nested vmaps nest here
+        if name == "send":
+            return out, False  # the token is one scalar
+        if name in ("all_gather", "gather"):  # a new leading axis where one was stacked
+            out_axis = 1 if out.ndim > first.ndim else 0
+        else:
+            out_axis = 0 if name == "scatter" else in_axis
+        return jnp.moveaxis(out, out_axis, 0), True
+
+    return call(*arrays)
+
+
+def _rank(group):
+    import mcrdl_core as _core
+
+    return _core.get_rank(), _core.get_runtime().group(group)
+
+
+def _linear(op, name):
+    op = ReduceOp.coerce(op)
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise UnsupportedError(f"mcrdl_jax.{name}: only SUM and AVG are differentiable, not "
+                               f"{op.name}; wrap the call in jax.lax.stop_gradient if no "
+                               "gradient should flow through it")
+    return op
+
+
+def _scale(ct, op, group):
+    return ct / _rank(group)[1].size if op is ReduceOp.AVG else ct
+
+
+def _vjp(name, n_arrays, n_statics, check, bwd):
+    """A custom_vjp op: ``check(*statics)`` runs when a gradient is asked for (before
+    anything is sent); ``bwd(statics, residual_arrays, ct)`` returns the cotangents."""
+    statics_at = tuple(range(n_arrays, n_arrays + n_statics))
+
+    def primal(*args):
+        return run(name, args[:n_arrays], args[n_arrays:])
+
+    def fwd(*args):
+        check(*args[n_arrays:])
+        return primal(*args), tuple(args[:n_arrays])
+
+    def back(*args):
+        *statics, res, ct = args
+        return tuple(bwd(statics, res, ct))
+
+    f = jax.custom_vjp(primal, nondiff_argnums=statics_at)
+    f.defvjp(fwd, back)
+    return f
+
+
+def _none(*statics):
+    return None
+
+
+# --- the ops ------------------------------------------------------------------------------
+def _all_reduce_bwd(st, res, ct):
+    op, group, backend = st
+    return [run("all_reduce", [ct], (op, group, backend))]
+
+
+all_reduce = _vjp("all_reduce", 1, 3, lambda op, g, b: _linear(op, "all_reduce"),
+                  _all_reduce_bwd)
+
+
+def _reduce_bwd(st, res, ct):
+    dst, op, group, backend = st
+    from_root = _scale(run("broadcast", [ct], (dst, group, backend)), ReduceOp.coerce(op), group)
+    me, _ = _rank(group)
+    return [from_root if me == dst else ct + from_root]
+
+
+reduce = _vjp("reduce", 1, 4, lambda dst, op, g, b: _linear(op, "reduce"), _reduce_bwd)
+
+
+def _broadcast_bwd(st, res, ct):
+    src, group, backend = st
+    total = run("reduce", [ct], (src, ReduceOp.SUM, group, backend))
+    return [total if _rank(group)[0] == src else jnp.zeros_like(ct)]
+
+
+broadcast = _vjp("broadcast", 1, 3, _none, _broadcast_bwd)
+
+
+def _all_gather_bwd(st, res, ct):
+    group, backend = st
+    (x,) = res
+    return [run("reduce_scatter", [ct], (ReduceOp.SUM, group, backend)).reshape(x.shape)]
+
+
+all_gather = _vjp("all_gather", 1, 2, _none, _all_gather_bwd)
+
+
+def _reduce_scatter_bwd(st, res, ct):
+    op, group, backend = st
+    (x,) = res
+    full = run("all_gather", [ct], (group, backend)).reshape(x.shape)
+    return [_scale(full, ReduceOp.coerce(op), group)]
+
+
+reduce_scatter = _vjp("reduce_scatter", 1, 3, lambda op, g, b: _linear(op, "reduce_scatter"),
+                      _reduce_scatter_bwd)
+
+
+def _all_to_all_bwd(st, res, ct):
+    group, backend, in_splits, out_splits = st
+    return [run("all_to_all", [ct], (group, backend, out_splits, in_splits))]
+
+
+all_to_all = _vjp("all_to_all", 1, 4, _none, _all_to_all_bwd)
+
+
+def _gather_bwd(st, res, ct):
+    dst, group, backend = st
+    (x,) = res
+    me, g = _rank(group)
+    if me == dst:
+        return [run("scatter", [ct], (dst, group, backend))]
+    # off the root the output was the input itself; the scatter still needs this rank
+    block = run("scatter", [jnp.zeros((g.size, *x.shape), ct.dtype)], (dst, group, backend))
+    return [ct + block]
+
+
+gather = _vjp("gather", 1, 3, _none, _gather_bwd)
+
+
+def _scatter_bwd(st, res, ct):
+    src, group, backend = st
+    (x,) = res
+    stacked = run("gather", [ct], (src, group, backend))
+    return [stacked if _rank(group)[0] == src else jnp.zeros_like(x)]
+
+
+scatter = _vjp("scatter", 1, 3, _none, _scatter_bwd)
+
+
+def _send_bwd(st, res, ct):
+    dst, group, tag, backend = st
+    (x,) = res
+    return [run("recv", [x], (dst, group, tag, backend))]
+
+
+send = _vjp("send", 1, 4, _none, _send_bwd)
+
+
+def _recv_check(src, group, tag, backend):
+    if src is None:
+        raise UnsupportedError("mcrdl_jax.recv: a recv from any source is not differentiable "
+                               "(the cotangent would not know where to go); name the source")
+
+
+def _recv_bwd(st, res, ct):
+    src, group, tag, backend = st
+    run("send", [ct], (src, group, tag, backend))
+    return [jnp.zeros_like(ct)]
+
+
+recv = _vjp("recv", 1, 4, _recv_check, _recv_bwd)
+
+
+def _sendrecv_bwd(st, res, ct):
+    source, dest, group, tag, backend = st
+    sendbuf, _ = res
+    back = run("sendrecv", [ct, sendbuf], (dest, source, group, tag, backend))
+    return [back, jnp.zeros_like(ct)]
+
+
+sendrecv = _vjp("sendrecv", 2, 5, _none, _sendrecv_bwd)

@@ -1,0 +1,246 @@
+"""The jit path of mcrdl_jax: what a call on traced values becomes inside the program.
+
+The backend is chosen at trace time, from the static shape and dtype, through the same
+selection as eager calls (explicit > group default > MCRDL_BACKEND > table > policy).
+Then:
+
+- ``mpi`` lowers to mpi4jax's primitives wherever mpi4jax has the op (every op but
+  uneven all-to-all and recv from any source). mpi4jax refuses 16-bit floats: they
+  travel as float32 (exact for data movement) and reductions run in float32, rounded
+  once at the end, as on the eager MPI path.
+- everything else (Gloo, the two MPI cases above, any other backend) becomes one host
+  callback (``callback.py``) that runs the eager path of the core on that backend.
+
+mpi4jax's primitives and the callbacks share one ordered effect, so the calls of one
+jitted function run in program order on every rank. With ``MCRDL_DEBUG=1`` every
+collective also compares its signature (op, backend, dtype, shape, root) across the
+group when it is traced, so a shape that differs between ranks is an error at trace
+time instead of a hang or garbage at run time.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mcrdl_core as _core
+from mcrdl_core import debug as _debug
+from mcrdl_core import dtypes as _dt
+from mcrdl_core import validate as _v
+from mcrdl_core.api import _prepare
+from mcrdl_core.buffer import CPU, Buffer
+from mcrdl_core.ops import Op, ReduceOp
+
+from . import host
+from .callback import host_call
+from .shapes import leading_blocks
+
+try:
+    import mpi4jax
+    from mpi4py import MPI
+
+    _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
+                ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
+                ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+except ImportError:  # no mpi4jax: every call goes through the host callback
+    mpi4jax = None
+
+
+def _probe(x) -> Buffer:
+    """A Buffer that is metadata only (shape and dtype of a traced value)."""
+    buf = Buffer(0, tuple(x.shape), _dt.lookup(np.dtype(x.dtype)), CPU)
+    _v.dtype(buf, "x")
+    return buf
+
+
+def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, check=True,
+           counts=None):
+    """(group, backend name, reduce op) for a traced call: the same checks and selection
+    as an eager call, and in debug mode the cross-rank signature check (collectives)."""
+    probe = _probe(x)
+    rt, g, be, reduce_op = _prepare(op, group, probe, backend, reduce_op, nbytes)
+    if rt.debug and check:
+        _debug.check(rt, g, op, be, probe, reduce_op=reduce_op, root=root, count=probe.numel,
+                     counts=counts, shape=None if counts else probe.shape)
+    return g, be.name, reduce_op
+
+
+def _via_mpi4jax(be_name: str) -> bool:
+    return be_name == "mpi" and mpi4jax is not None
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _callback(fn, outs, *args, what):
+    """One host callback; ``outs``: ShapeDtypeStructs of its results."""
+    res = host_call(fn, outs, *args, what=what)
+    return res[0] if len(outs) == 1 else res
+
+
+def _wide(x):
+    """For reductions: mpi4jax refuses 16-bit floats, so they are reduced in float32, as
+    on the eager MPI path (the same bytes on the wire); returns (array, narrow-back)."""
+    if x.dtype in (jnp.float16, jnp.bfloat16):
+        return x.astype(jnp.float32), (lambda y, dt=x.dtype: y.astype(dt))
+    return x, (lambda y: y)
+
+
+def _bits(x):
+    """For data movement: 16-bit floats travel as their uint16 bit patterns, exact and
+    byte-for-byte what an eager peer sends or expects; returns (array, back)."""
+    if x.dtype in (jnp.float16, jnp.bfloat16):
+        return (jax.lax.bitcast_convert_type(x, jnp.uint16),
+                lambda y, dt=x.dtype: jax.lax.bitcast_convert_type(y, dt))
+    return x, (lambda y: y)
+
+
+def _avg(y, op, n):
+    return y / n if op is ReduceOp.AVG else y
+
+
+def _comm(g):
+    return _core.get_runtime().backend("mpi").comm(g)
+
+
+def all_reduce(x, op, group, backend):
+    g, be, op = _lower(Op.ALL_REDUCE, x, group, backend, op)
+    if not _via_mpi4jax(be):
+        return _callback(lambda a: (host.all_reduce(a, op, g, be),), [_spec(x.shape, x.dtype)],
+                         x, what="all_reduce")
+    xw, back = _wide(x)
+    return back(_avg(mpi4jax.allreduce(xw, op=_MPI_OPS[op], comm=_comm(g)), op, g.size))
+
+
+def reduce(x, dst, op, group, backend):
+    g0 = _core.get_runtime().group(group)
+    g, be, op = _lower(Op.REDUCE, x, group, backend, op, root=g0.group_rank(dst, "dst"))
+    root = g.group_rank(dst, "dst")
+    if not _via_mpi4jax(be):
+        def run(a):
+            y = host.reduce(a, dst, op, g, be)
+            return (a if y is None else y,)
+        return _callback(run, [_spec(x.shape, x.dtype)], x, what="reduce")
+    xw, back = _wide(x)
+    y = mpi4jax.reduce(xw, op=_MPI_OPS[op], root=root, comm=_comm(g))
+    return back(_avg(y, op, g.size)) if g.rank == root else x
+
+
+def broadcast(x, src, group, backend):
+    g0 = _core.get_runtime().group(group)
+    g, be, _ = _lower(Op.BROADCAST, x, group, backend, root=g0.group_rank(src, "src"))
+    if not _via_mpi4jax(be):
+        return _callback(lambda a: (host.broadcast(a, src, g, be),), [_spec(x.shape, x.dtype)],
+                         x, what="broadcast")
+    xw, back = _bits(x)
+    return back(mpi4jax.bcast(xw, root=g.group_rank(src, "src"), comm=_comm(g)))
+
+
+def all_gather(x, group, backend):
+    """Stacked, shape (n, *x.shape); the public function tiles."""
+    g, be, _ = _lower(Op.ALL_GATHER, x, group, backend)
+    if not _via_mpi4jax(be):
+        return _callback(lambda a: (host.all_gather(a, g, be),),
+                         [_spec((g.size, *x.shape), x.dtype)], x, what="all_gather")
+    xw, back = _bits(x)
+    return back(mpi4jax.allgather(xw, comm=_comm(g)))
+
+
+def reduce_scatter(x, op, group, backend):
+    k = leading_blocks(x, _core.get_runtime().group(group).size, "reduce_scatter")
+    block = k * int(np.prod(x.shape[1:], dtype=np.int64))
+    g, be, op = _lower(Op.REDUCE_SCATTER, x, group, backend, op,
+                       nbytes=block * x.dtype.itemsize)
+    if not _via_mpi4jax(be):
+        return _callback(lambda a: (host.reduce_scatter(a, op, g, be),),
+                         [_spec((k, *x.shape[1:]), x.dtype)], x, what="reduce_scatter")
+    # mpi4jax has no reduce-scatter: its all-reduce, then this rank's static slice
+    xw, back = _wide(x)
+    y = mpi4jax.allreduce(xw, op=_MPI_OPS[op], comm=_comm(g))[g.rank * k:(g.rank + 1) * k]
+    return back(_avg(y, op, g.size))
+
+
+def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None):
+    n = _core.get_runtime().group(group).size
+    uneven = bool(input_split_sizes or output_split_sizes)
+    counts = None
+    if uneven:
+        # splits are static: check them at trace time, as the eager call would
+        rows = sum(output_split_sizes) if output_split_sizes else x.shape[0]
+        counts = (_v.splits(output_split_sizes, _probe(jax.ShapeDtypeStruct(
+            (rows, *x.shape[1:]), x.dtype)), n, "output_split_sizes"),
+            _v.splits(input_split_sizes, _probe(x), n, "input_split_sizes"))
+    else:
+        k = leading_blocks(x, n, "all_to_all")
+        rows = x.shape[0]
+    g, be, _ = _lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
+                      counts=counts)
+    if uneven or not _via_mpi4jax(be):
+        # uneven splits are host-side work on every backend (mpi4jax has no alltoallv)
+        return _callback(lambda a: (host.all_to_all(a, g, be, input_split_sizes,
+                                                    output_split_sizes),),
+                         [_spec((rows, *x.shape[1:]), x.dtype)], x, what="all_to_all")
+    xw, back = _bits(x)
+    blocks = xw.reshape((n, k, *x.shape[1:]))
+    return back(mpi4jax.alltoall(blocks, comm=_comm(g)).reshape(x.shape))
+
+
+def gather(x, dst, group, backend):
+    g0 = _core.get_runtime().group(group)
+    g, be, _ = _lower(Op.GATHER, x, group, backend, root=g0.group_rank(dst, "dst"))
+    root = g.group_rank(dst, "dst")
+    out = (g.size, *x.shape) if g.rank == root else tuple(x.shape)
+    if not _via_mpi4jax(be):
+        def run(a):
+            y = host.gather(a, dst, g, be)
+            return (a if y is None else y,)
+        return _callback(run, [_spec(out, x.dtype)], x, what="gather")
+    xw, back = _bits(x)
+    y = mpi4jax.gather(xw, root=root, comm=_comm(g))
+    return back(y) if g.rank == root else x
+
+
+def scatter(x, src, group, backend):
+    leading_blocks(x, _core.get_runtime().group(group).size, "scatter", exact=True)
+    g0 = _core.get_runtime().group(group)
+    g, be, _ = _lower(Op.SCATTER, x[0], group, backend, root=g0.group_rank(src, "src"))
+    root = g.group_rank(src, "src")
+    if not _via_mpi4jax(be):
+        return _callback(lambda a: (host.scatter(a, src, g, be),),
+                         [_spec(x.shape[1:], x.dtype)], x, what="scatter")
+    xw, back = _bits(x)
+    # mpi4jax takes the whole (n, ...) array on the root and a block-shaped one elsewhere
+    return back(mpi4jax.scatter(xw if g.rank == root else xw[0], root=root, comm=_comm(g)))
+
+
+def send(x, dst, group, tag, backend):
+    g, be, _ = _lower(Op.SEND, x, group, backend, check=False)
+    if not _via_mpi4jax(be):
+        _callback(lambda a: (host.send(a, dst, g, tag, be),)[:0], [], x, what="send")
+    else:
+        xw, _ = _bits(x)
+        mpi4jax.send(xw, dest=g.group_rank(dst, "dst"), tag=tag, comm=_comm(g))
+    return jnp.zeros((), jnp.float32)  # the token (see autodiff.py)
+
+
+def recv(like, src, group, tag, backend):
+    g, be, _ = _lower(Op.RECV, like, group, backend, check=False)
+    if src is None or not _via_mpi4jax(be):  # any-source: host side on every backend
+        return _callback(lambda: (host.recv(like.shape, like.dtype, src, g, tag, be),),
+                         [_spec(like.shape, like.dtype)], what="recv")
+    lw, back = _bits(like)
+    return back(mpi4jax.recv(lw, source=g.group_rank(src, "src"), tag=tag, comm=_comm(g)))
+
+
+def sendrecv(sendbuf, like, source, dest, group, tag, backend):
+    g, be, _ = _lower(Op.SEND, sendbuf, group, backend, check=False)
+    if not _via_mpi4jax(be):
+        return _callback(lambda a: (host.sendrecv(a, like.shape, like.dtype, source, dest, g,
+                                                  tag, be),),
+                         [_spec(like.shape, like.dtype)], sendbuf, what="sendrecv")
+    sw, _ = _bits(sendbuf)
+    lw, back = _bits(like)
+    return back(mpi4jax.sendrecv(sw, lw, source=g.group_rank(source, "source"),
+                                 dest=g.group_rank(dest, "dest"), sendtag=tag, recvtag=tag,
+                                 comm=_comm(g)))
