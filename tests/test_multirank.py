@@ -56,6 +56,11 @@ def test_suite_under_mpiexec(nranks, tmp_path):
         assert t["passed"] > 100, (r, t)
         deadlock = [i for i in t["passed_ids"] if "test_deadlock.py::" in i]
         assert len(deadlock) == (2 if nranks == 2 else 0), (r, deadlock)
+        # the JAX properties that would hang or be skipped quietly if they regressed
+        pipeline = [i for i in t["passed_ids"] if "test_jax_pipeline.py::" in i]
+        assert len(pipeline) == 2, (r, pipeline)
+        order = [i for i in t["passed_ids"] if "two_backends_in_one_jit" in i]
+        assert len(order) == 16, (r, order)
 
 
 @pytest.mark.multirank
