@@ -11,22 +11,36 @@ All ops map to one Gloo call on flat views of the buffers (zero-copy):
 ``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base`` (uneven splits), and
 gather/scatter with views of one flat staging buffer. ReduceOp.AVG is done as SUM then
 a division on completion, the same on every dtype, so results do not depend on
-whether a given torch build's Gloo knows AVG. CPU tensors only for now.
+whether a given torch build's Gloo knows AVG.
+
+CUDA buffers (CuPy required). torch's Gloo handles CUDA tensors itself for broadcast
+and all-reduce (torch's documentation table; it copies through pinned memory on side
+streams that wait on torch's current stream, and its ``wait()`` makes the current
+stream wait on the copies back). Those two ops (all-reduce: not AVG, not bfloat16) are
+issued with the producer stream made torch's current stream, the completion hook runs
+on that stream too, and the Work completes when an event recorded there after it is
+done (queried from the progress loop). Every other op, and those exceptions, are staged
+through pinned host memory by ``mcrdl_core.cuda.staged_call``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcrdl_core import cuda as _cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.backend import Backend
 from mcrdl_core.buffer import Buffer
 from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.work import ThreadWork, Work
+from mcrdl_core.work import ChainWork, EventWork, ThreadWork, Work
+
+_gpu = _cuda.cuda_dispatch
 
 _TORCH = {dt.float16: torch.float16, dt.bfloat16: torch.bfloat16, dt.float32: torch.float32,
           dt.float64: torch.float64, dt.int8: torch.int8, dt.uint8: torch.uint8,
@@ -42,11 +56,26 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def tensor(buf: Buffer) -> torch.Tensor:
-    """Flat torch view of a contiguous CPU Buffer (no copy)."""
+    """Flat torch view of a contiguous Buffer (no copy)."""
+    if buf.device.kind == "cuda":
+        return _cuda_tensor(buf)
     h = buf.host().reshape(-1)
     if buf.dtype is dt.bfloat16:
         return torch.from_numpy(h.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(h)
+
+
+def _cuda_tensor(buf: Buffer) -> torch.Tensor:
+    """Flat torch view of a contiguous CUDA Buffer: a slice of the torch tensor behind it
+    when there is one, else through DLPack from the CuPy view."""
+    owner = _cuda.root_owner(buf)
+    if (isinstance(owner, torch.Tensor) and owner.is_contiguous()
+            and owner.dtype is _TORCH.get(buf.dtype)):
+        off, rem = divmod(buf.ptr - owner.data_ptr(), buf.dtype.itemsize)
+        if not rem and 0 <= off and off + buf.numel <= owner.numel():
+            return owner.detach().view(-1)[off:off + buf.numel]
+    t = torch.from_dlpack(buf.cuda().reshape(-1))
+    return t.view(torch.bfloat16) if buf.dtype is dt.bfloat16 else t
 
 
 def env_store(bootstrap):
@@ -67,11 +96,13 @@ class GlooWork(Work):
         super().__init__("gloo", op, group, finalize=finalize, desc=desc)
         self.twork = twork
         self.keep = keep
+        self.on_stream = contextlib.nullcontext  # CUDA: makes the producer stream current
 
     def _poll(self) -> bool:
         if not self.twork.is_completed():
             return False
-        self.twork.wait()  # returns at once; raises the library's error if it failed
+        with self.on_stream():  # CUDA works: the current stream waits on Gloo's copies back
+            self.twork.wait()  # returns at once; raises the library's error if it failed
         return True
 
     def _complete(self, error=None):
@@ -88,7 +119,7 @@ def _avg(buf: Buffer, n: int):
 
 class GlooBackend(Backend):
     name = "gloo"
-    devices = ("cpu",)
+    devices = ("cpu", "cuda")
 
     def __init__(self, runtime):
         super().__init__(runtime)
@@ -101,12 +132,46 @@ class GlooBackend(Backend):
         return None
 
     def unsupported_reason(self, op, device, dtype, reduce_op=None):
-        if device.kind != "cpu":
-            return ("the gloo backend does not handle CUDA buffers yet (it comes with the GPU "
-                    "work)")
         if dtype not in _TORCH:
             return f"the gloo backend cannot communicate {dtype.name}"
+        if device.kind == "cuda":
+            reason = _cuda.cupy_reason()
+            if reason is not None:
+                return f"the gloo backend needs CuPy for CUDA buffers: {reason}"
+            if not torch.cuda.is_available():
+                return "the gloo backend needs a CUDA build of torch for CUDA buffers"
+        elif device.kind != "cpu":
+            return f"the gloo backend does not handle {device.kind} buffers"
         return None
+
+    # --- CUDA buffers -------------------------------------------------------------------
+    def cuda_call(self, op, fn, group, args):
+        """Gloo's own CUDA path for broadcast and all-reduce, staging for the rest."""
+        red = next((a for a in args if isinstance(a, ReduceOp)), None)
+        buf = args[0]
+        if op is Op.BROADCAST or (op is Op.ALL_REDUCE and red is not ReduceOp.AVG
+                                  and buf.dtype is not dt.bfloat16):
+            return self._native_cuda(op, fn, group, args)
+        return _cuda.staged_call(self.rt.engine, self.name, op, functools.partial(fn, self),
+                                 group, *args)
+
+    def _native_cuda(self, op, fn, group, args):
+        buf = args[0]
+        dev, handle = buf.device.index, _cuda.producer_stream(buf)
+        ts = (torch.cuda.default_stream(dev) if handle == 0
+              else torch.cuda.ExternalStream(handle, device=dev))
+
+        @contextlib.contextmanager
+        def on_stream():
+            with torch.cuda.device(dev), torch.cuda.stream(ts):
+                yield
+
+        with on_stream():  # Gloo's copies to host wait on torch's current stream: ours
+            work = fn(self, group, *args)
+        work.on_stream = on_stream
+        return ChainWork(work, lambda: EventWork(
+            self.name, op, _cuda.record(handle, dev), group, keep=(buf,),
+            desc="waiting for Gloo's copy back to the GPU"))
 
     # --- store and process groups -------------------------------------------------------
     def store(self):
@@ -171,11 +236,13 @@ class GlooBackend(Backend):
         return work
 
     # --- point to point -----------------------------------------------------------------
+    @_gpu(Op.SEND)
     def send(self, group, buf, dst, tag):
         t = tensor(buf)
         return self._waited(Op.SEND, group, self.comm(group).send([t], dst, tag), (buf, t),
                             desc=f"to group rank {dst}")
 
+    @_gpu(Op.RECV)
     def recv(self, group, buf, src, tag):
         t = tensor(buf)
         pg = self.comm(group)
@@ -185,12 +252,14 @@ class GlooBackend(Backend):
                             desc=f"from group rank {'any' if src is None else src}")
 
     # --- collectives --------------------------------------------------------------------
+    @_gpu(Op.BROADCAST)
     def broadcast(self, group, buf, root):
         t = tensor(buf)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
         return self._work(Op.BROADCAST, group, self.comm(group).broadcast([t], opts), (buf, t))
 
+    @_gpu(Op.REDUCE)
     def reduce(self, group, buf, root, op):
         t = tensor(buf)
         opts = dist.ReduceOptions()
@@ -198,6 +267,7 @@ class GlooBackend(Backend):
         fin = _avg(buf, group.size) if op is ReduceOp.AVG and group.rank == root else None
         return self._work(Op.REDUCE, group, self.comm(group).reduce([t], opts), (buf, t), fin)
 
+    @_gpu(Op.ALL_REDUCE)
     def all_reduce(self, group, buf, op):
         t = tensor(buf)
         opts = dist.AllreduceOptions()
@@ -206,11 +276,13 @@ class GlooBackend(Backend):
         return self._work(Op.ALL_REDUCE, group, self.comm(group).allreduce([t], opts), (buf, t),
                           fin)
 
+    @_gpu(Op.ALL_GATHER)
     def all_gather(self, group, out, inp):
         to, ti = tensor(out), tensor(inp)
         return self._work(Op.ALL_GATHER, group, self.comm(group)._allgather_base(to, ti),
                           (out, inp, to, ti))
 
+    @_gpu(Op.REDUCE_SCATTER)
     def reduce_scatter(self, group, out, inp, op):
         to, ti = tensor(out), tensor(inp)
         opts = dist.ReduceScatterOptions()
@@ -219,12 +291,14 @@ class GlooBackend(Backend):
         tw = self.comm(group)._reduce_scatter_base(to, ti, opts)
         return self._waited(Op.REDUCE_SCATTER, group, tw, (out, inp, to, ti), finalize=fin)
 
+    @_gpu(Op.ALL_TO_ALL)
     def all_to_all(self, group, out, inp, out_counts, in_counts):
         to, ti = tensor(out), tensor(inp)
         tw = self.comm(group).alltoall_base(to, ti, list(out_counts), list(in_counts),
                                             dist.AllToAllOptions())
         return self._work(Op.ALL_TO_ALL, group, tw, (out, inp, to, ti))
 
+    @_gpu(Op.GATHER)
     def gather(self, group, out, inp, root):
         ti = tensor(inp)
         outs = [list(tensor(out).view(group.size, -1).unbind(0))] if group.rank == root else []
@@ -233,6 +307,7 @@ class GlooBackend(Backend):
         tw = self.comm(group).gather(outs, [ti], opts)
         return self._work(Op.GATHER, group, tw, (out, inp, ti, outs))
 
+    @_gpu(Op.SCATTER)
     def scatter(self, group, out, inp, root):
         to = tensor(out)
         ins = [list(tensor(inp).view(group.size, -1).unbind(0))] if group.rank == root else []

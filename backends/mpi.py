@@ -13,18 +13,34 @@ What MPI lacks is built from MPI itself:
 - ReduceOp.AVG: MPI_SUM, then a division by the group size when the request completes.
 
 Buffers are passed to MPI by address (``MPI.buffer.fromaddress``), no copies.
-CUDA buffers are not handled here yet (the GPU issue adds CUDA-aware and staged paths).
+
+CUDA buffers (CuPy required):
+- CUDA-aware MPI (``cuda_support()``: ``MCRDL_MPI_CUDA_AWARE=0/1`` if set, else
+  ``MPIX_Query_cuda_support()`` of the loaded library, which MPICH and Open MPI both
+  export; without it the library is taken as not CUDA-aware): the device pointers go to
+  MPI, once an event recorded on the producer stream has completed (queried from the
+  progress loop, never a blocking synchronize). Reductions that need host arithmetic
+  (float16/bfloat16 upcast, AVG's division) are staged as below.
+- otherwise staged through pinned host memory (``mcrdl_core.cuda.HostStage``): copies in
+  on the producer stream, the same MPI call on the host copies, and the results copied
+  back on that stream when the request completes; the Work completes when they land.
 """
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import numpy as np
 from mpi4py import MPI
 
+from mcrdl_core import cuda as _cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.backend import Backend
 from mcrdl_core.buffer import Buffer
 from mcrdl_core.ops import Op, ReduceOp
 from mcrdl_core.work import Work
+
+_gpu = _cuda.cuda_dispatch
 
 _TYPES = {
     dt.float32: MPI.FLOAT, dt.float64: MPI.DOUBLE, dt.int8: MPI.INT8_T, dt.uint8: MPI.UINT8_T,
@@ -100,9 +116,31 @@ class _Reducible:
             np.copyto(self.buf.host(), arr, casting="unsafe")
 
 
+_CUDA_SUPPORT: list = []
+
+
+def cuda_support() -> tuple[bool, str]:
+    """(is the MPI library CUDA-aware, how that was found out). Computed once."""
+    if not _CUDA_SUPPORT:
+        forced = _cuda.env_flag("MCRDL_MPI_CUDA_AWARE")
+        if forced is not None:
+            _CUDA_SUPPORT.append((forced, "set by MCRDL_MPI_CUDA_AWARE"))
+        else:
+            try:  # dlsym through mpi4py's extension module finds the linked libmpi
+                query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+            except (OSError, AttributeError):
+                _CUDA_SUPPORT.append((False, "the library has no MPIX_Query_cuda_support(); "
+                                             "set MCRDL_MPI_CUDA_AWARE=1 if it is CUDA-aware"))
+            else:
+                query.restype, query.argtypes = ctypes.c_int, []
+                value = int(query())
+                _CUDA_SUPPORT.append((bool(value), f"MPIX_Query_cuda_support() = {value}"))
+    return _CUDA_SUPPORT[0]
+
+
 class MPIBackend(Backend):
     name = "mpi"
-    devices = ("cpu",)
+    devices = ("cpu", "cuda")
 
     @classmethod
     def unavailable_reason(cls, bootstrap):
@@ -111,12 +149,27 @@ class MPIBackend(Backend):
         return None
 
     def unsupported_reason(self, op, device, dtype, reduce_op=None):
-        if device.kind != "cpu":
-            return ("the mpi backend does not handle CUDA buffers yet (CUDA-aware and staged "
-                    "paths come with the GPU work)")
         if dtype not in _TYPES:
             return f"the mpi backend has no MPI datatype for {dtype.name}"
+        if device.kind == "cuda":
+            reason = _cuda.cupy_reason()
+            if reason is not None:
+                return f"the mpi backend needs CuPy for CUDA buffers: {reason}"
+        elif device.kind != "cpu":
+            return f"the mpi backend does not handle {device.kind} buffers"
         return None
+
+    def cuda_call(self, op, fn, group, args):
+        """Device pointers if the library is CUDA-aware and no host arithmetic is
+        needed, else pinned host staging (see the module docstring)."""
+        bufs = _cuda.cuda_buffers(args)
+        red = next((a for a in args if isinstance(a, ReduceOp)), None)
+        host_math = red is ReduceOp.AVG or (red is not None and bufs[0].dtype.is_half)
+        if cuda_support()[0] and not host_math:
+            _cuda.ready(self.rt.engine, bufs, self.name, op, group)
+            return fn(self, group, *args)
+        return _cuda.staged_call(self.rt.engine, self.name, op, functools.partial(fn, self),
+                                 group, *args)
 
     def create_comm(self, group):
         world = MPI.COMM_WORLD
@@ -135,10 +188,12 @@ class MPIBackend(Backend):
                 c.Free()
 
     # --- point to point -----------------------------------------------------------------
+    @_gpu(Op.SEND)
     def send(self, group, buf, dst, tag):
         req = self.comm(group).Isend(_spec(buf), dst, tag)
         return MPIWork(Op.SEND, group, req, (buf,), desc=f"to group rank {dst}")
 
+    @_gpu(Op.RECV)
     def recv(self, group, buf, src, tag):
         status = MPI.Status()
         source = MPI.ANY_SOURCE if src is None else src
@@ -149,9 +204,11 @@ class MPIBackend(Backend):
         return work
 
     # --- collectives --------------------------------------------------------------------
+    @_gpu(Op.BROADCAST)
     def broadcast(self, group, buf, root):
         return MPIWork(Op.BROADCAST, group, self.comm(group).Ibcast(_spec(buf), root), (buf,))
 
+    @_gpu(Op.REDUCE)
     def reduce(self, group, buf, root, op):
         r = _Reducible(buf, op, group.size)
         comm = self.comm(group)
@@ -161,15 +218,18 @@ class MPIBackend(Backend):
         req = comm.Ireduce(_spec(r.work_buf), None, _OPS[op], root)
         return MPIWork(Op.REDUCE, group, req, (buf, r))
 
+    @_gpu(Op.ALL_REDUCE)
     def all_reduce(self, group, buf, op):
         r = _Reducible(buf, op, group.size)
         req = self.comm(group).Iallreduce(MPI.IN_PLACE, _spec(r.work_buf), _OPS[op])
         return MPIWork(Op.ALL_REDUCE, group, req, (buf, r), finalize=r.finalizer)
 
+    @_gpu(Op.ALL_GATHER)
     def all_gather(self, group, out, inp):
         req = self.comm(group).Iallgather(_spec(inp), _spec(out, inp.numel))
         return MPIWork(Op.ALL_GATHER, group, req, (out, inp))
 
+    @_gpu(Op.REDUCE_SCATTER)
     def reduce_scatter(self, group, out, inp, op):
         r_in = _Reducible(inp, ReduceOp.SUM, group.size)
         r_out = _Reducible(out, op, group.size, copy_in=False)
@@ -179,6 +239,7 @@ class MPIBackend(Backend):
         return MPIWork(Op.REDUCE_SCATTER, group, req, (out, inp, r_in, r_out),
                        finalize=r_out.finalizer)
 
+    @_gpu(Op.ALL_TO_ALL)
     def all_to_all(self, group, out, inp, out_counts, in_counts):
         comm = self.comm(group)
         if len(set(in_counts)) == 1 and in_counts == out_counts:
@@ -191,11 +252,13 @@ class MPIBackend(Backend):
                                   [s_out[0], (out_counts, out_displs), s_out[2]])
         return MPIWork(Op.ALL_TO_ALL, group, req, (out, inp))
 
+    @_gpu(Op.GATHER)
     def gather(self, group, out, inp, root):
         recv = _spec(out, inp.numel) if group.rank == root else None
         req = self.comm(group).Igather(_spec(inp), recv, root)
         return MPIWork(Op.GATHER, group, req, (out, inp))
 
+    @_gpu(Op.SCATTER)
     def scatter(self, group, out, inp, root):
         send = _spec(inp, out.numel) if group.rank == root else None
         req = self.comm(group).Iscatter(send, _spec(out), root)

@@ -5,6 +5,8 @@ cupy arrays or Buffers). Names, arguments and semantics follow torch.distributed
 """
 from __future__ import annotations
 
+import contextlib
+
 from . import debug as _debug
 from . import validate as _v
 from .buffer import Buffer
@@ -27,22 +29,35 @@ def _xp_copy(dst: Buffer, src_arr) -> None:
     d[...] = src_arr.reshape(d.shape)
 
 
+def _on_producer_stream(buf: Buffer):
+    """Where to run CuPy copies of ``buf``'s list: on the stream its producer writes on
+    (torch's current stream, the stream given to DLPack...), so that a copy never reads
+    data that is still being written. Host buffers: no context."""
+    if buf.device.kind != "cuda":
+        return contextlib.nullcontext()
+    from . import cuda
+
+    return cuda.stream(cuda.producer_stream(buf), buf.device.index)
+
+
 def _concat(bufs, total: int) -> Buffer:
     tmp = Buffer.empty((total,), bufs[0].dtype, bufs[0].device)
-    t = tmp.array()
-    off = 0
-    for b in bufs:
-        t[off:off + b.numel] = b.array().reshape(-1)
-        off += b.numel
+    with _on_producer_stream(bufs[0]):
+        t = tmp.array()
+        off = 0
+        for b in bufs:
+            t[off:off + b.numel] = b.array().reshape(-1)
+            off += b.numel
     return tmp
 
 
 def _scatter_into(tmp: Buffer, outs) -> None:
-    t = tmp.array()
-    off = 0
-    for b in outs:
-        _xp_copy(b, t[off:off + b.numel])
-        off += b.numel
+    with _on_producer_stream(outs[0]):
+        t = tmp.array()
+        off = 0
+        for b in outs:
+            _xp_copy(b, t[off:off + b.numel])
+            off += b.numel
 
 
 # --- point to point ------------------------------------------------------------------------

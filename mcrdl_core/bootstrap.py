@@ -8,7 +8,14 @@
 - ``MCRDL_BOOTSTRAP=mpi|env`` forces one.
 
 ``bcast``/``allgather`` move small picklable objects (ports, NCCL unique ids) during
-set-up; they are not a data path.
+set-up; they are not a data path. They are collective over the whole world;
+``group_bcast``/``group_allgather`` are collective over the members of one group only
+(what lazily created per-group communicators need: non-members never call them). Under
+MPI they run on a sub-communicator of the bootstrap's private one, made once per rank
+set; under torchrun on store keys private to the rank set.
+
+``local_size`` is the number of ranks on this rank's host (NCCL needs a GPU per rank),
+``local_rank`` this rank's position among them.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import importlib.util
 import os
 import pickle
 import socket
+import zlib
 
 from .errors import BackendUnavailableError, InvalidArgumentError
 
@@ -42,12 +50,23 @@ class Bootstrap:
     rank = 0
     size = 1
     all_local = True  # every rank on this host (Gloo then uses the loopback device)
+    local_size = 1  # ranks on this rank's host
+    local_rank = 0  # this rank's position among them (a GPU index: local_rank % devices)
     mpi_reason = "mpi4py is not installed (pip install 'mcr-dl[mpich]')"
 
     def bcast(self, obj, root: int = 0):
         return obj
 
     def allgather(self, obj) -> list:
+        return [obj]
+
+    def group_bcast(self, obj, ranks, root: int = 0):
+        """``obj`` of global rank ``ranks[root]`` to every rank of ``ranks`` (only those
+        call it)."""
+        return obj
+
+    def group_allgather(self, obj, ranks) -> list:
+        """Every member's ``obj``, in the order of ``ranks`` (only members call it)."""
         return [obj]
 
     def hostname(self) -> str:
@@ -67,12 +86,34 @@ class MPIBootstrap(Bootstrap):
         self.size = self.comm.Get_size()
         names = self.comm.allgather(MPI.Get_processor_name())
         self.all_local = len(set(names)) == 1
+        self.local_size = names.count(names[self.rank])
+        self.local_rank = names[:self.rank].count(names[self.rank])
+        self._subs: dict = {}  # rank tuple -> sub-communicator of self.comm
 
     def bcast(self, obj, root: int = 0):
         return self.comm.bcast(obj, root=root)
 
     def allgather(self, obj) -> list:
         return self.comm.allgather(obj)
+
+    def _sub(self, ranks: tuple):
+        if ranks == tuple(range(self.size)):
+            return self.comm
+        sub = self._subs.get(ranks)
+        if sub is None:
+            grp = self.comm.Get_group().Incl(list(ranks))
+            tag = zlib.crc32(repr(ranks).encode()) % 32768  # the same on every member
+            try:  # collective over the members only (MPI_Comm_create_group)
+                sub = self._subs[ranks] = self.comm.Create_group(grp, tag=tag)
+            finally:
+                grp.Free()
+        return sub
+
+    def group_bcast(self, obj, ranks, root: int = 0):
+        return self._sub(tuple(ranks)).bcast(obj, root=root)
+
+    def group_allgather(self, obj, ranks) -> list:
+        return self._sub(tuple(ranks)).allgather(obj)
 
 
 class EnvBootstrap(Bootstrap):
@@ -86,13 +127,33 @@ class EnvBootstrap(Bootstrap):
     def __init__(self, store_factory):
         self.rank = int(os.environ["RANK"])
         self.size = int(os.environ["WORLD_SIZE"])
-        self.all_local = int(os.environ.get("LOCAL_WORLD_SIZE", -1)) == self.size
+        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.all_local = self.local_size == self.size
         self.store = store_factory(self)
         self._seq = 0
+        self._group_seq: dict = {}
 
     def _key(self) -> str:
         self._seq += 1
         return f"mcrdl/bootstrap/{self._seq}"
+
+    def _group_key(self, ranks) -> str:
+        ranks = tuple(ranks)
+        n = self._group_seq[ranks] = self._group_seq.get(ranks, 0) + 1
+        return f"mcrdl/bootstrap/g{'-'.join(map(str, ranks))}/{n}"
+
+    def group_bcast(self, obj, ranks, root: int = 0):
+        key = self._group_key(ranks)
+        if self.rank == ranks[root]:
+            self.store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self.store.get(key))
+
+    def group_allgather(self, obj, ranks) -> list:
+        key = self._group_key(ranks)
+        self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
+        return [pickle.loads(self.store.get(f"{key}/{r}")) for r in ranks]
 
     def bcast(self, obj, root: int = 0):
         key = self._key()

@@ -3,6 +3,12 @@
 A Buffer records what a communication library needs (address, element type, shape,
 device, read-only flag) and keeps the producer's memory alive through ``owner``. It
 offers a host view as a NumPy array and a CUDA view as a CuPy array, both zero-copy.
+
+``stream`` (CUDA buffers only): the raw ``cudaStream_t`` on which the producer's writes
+are known to be ordered, when the Buffer was made through DLPack with a consumer stream
+(the producer then made that stream wait for its data). None means "ask the owner":
+see ``mcrdl_core.cuda.producer_stream`` (torch's current stream for torch tensors,
+CuPy's current stream for CuPy arrays, the legacy default stream otherwise).
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ class Buffer:
     """View of a tensor's memory. ``strides`` is in elements, None meaning row-major."""
 
     __slots__ = ("ptr", "shape", "strides", "dtype", "device", "readonly", "owner",
-                 "numel", "_host")
+                 "numel", "_host", "stream")
 
     def __init__(self, ptr: int, shape: tuple, dtype: _dt.DType, device: Device = CPU,
                  strides: tuple | None = None, readonly: bool = False, owner: object = None):
@@ -64,6 +70,7 @@ class Buffer:
             strides = None
         self.strides = None if strides is None else tuple(strides)
         self._host = None
+        self.stream = None  # CUDA: stream the producer's data is ready on (None: ask owner)
 
     # --- construction -----------------------------------------------------------------
     @classmethod
@@ -83,9 +90,18 @@ class Buffer:
 
     @classmethod
     def from_dlpack(cls, obj, stream=None) -> "Buffer":
+        """Zero-copy view of any DLPack producer. For a CUDA producer and ``stream=None``
+        the consumer stream handed to ``__dlpack__`` is CuPy's current stream (when CuPy
+        is installed), so the producer orders its pending writes before it (JAX, torch and
+        CuPy all do) and the Buffer records that stream."""
+        if stream is None:
+            stream = _dl.consumer_stream(obj)
         capsule = _dl.export(obj, stream)
         ptr, shape, strides, dtype, device, readonly, owner = _dl.parse_capsule(capsule, obj)
-        return cls(ptr, shape, dtype, Device(*device), strides, readonly, owner)
+        buf = cls(ptr, shape, dtype, Device(*device), strides, readonly, owner)
+        if buf.device.kind == "cuda" and stream is not None and stream != -1:
+            buf.stream = 0 if stream == 1 else stream  # 1 is DLPack's name of the legacy stream
+        return buf
 
     @classmethod
     def empty(cls, shape, dtype, device: Device = CPU) -> "Buffer":
@@ -159,8 +175,10 @@ class Buffer:
         if offset < 0 or count < 0 or offset + count > self.numel:
             raise InvalidArgumentError(f"view [{offset}, {offset + count}) is outside a buffer of "
                                        f"{self.numel} elements")
-        return Buffer(self.ptr + offset * self.dtype.itemsize, (count,), self.dtype, self.device,
+        view = Buffer(self.ptr + offset * self.dtype.itemsize, (count,), self.dtype, self.device,
                       None, self.readonly, self)
+        view.stream = self.stream
+        return view
 
     def describe(self) -> str:
         return f"{self.dtype.name}{list(self.shape)} on {self.device}"

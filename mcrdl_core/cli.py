@@ -3,6 +3,7 @@
     mpiexec -n 2 mcrdl tune --max-bytes 64M     # measure, write the tuning table
     mpiexec -n 2 mcrdl bench --max-bytes 1M     # latency/bandwidth per backend and auto
     mcrdl info                                  # backends, bootstrap, table in force
+    mpiexec -n 2 mcrdl tune --device cuda       # CUDA buffers (one GPU per rank for nccl)
 
 Only rank 0 prints and writes files.
 """
@@ -18,6 +19,7 @@ import sys
 from . import sweep as _sweep
 from . import tuning as _tuning
 from .logger import bandwidths
+from .ops import Op, ReduceOp
 from .runtime import init
 from .selection import TuningTable
 
@@ -33,7 +35,11 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 4096, 64K, 64M") from None
 
 
-def _usable(rt, wanted):
+def _usable(rt, wanted, device: str = "cpu"):
+    """The backends to measure: ``wanted``, or every available one that handles
+    ``device`` buffers (nccl included for "cuda" when it can run here)."""
+    from .buffer import Device
+
     avail = {b for b, r in rt.available_backends().items() if r is None}
     if wanted:
         missing = [b for b in wanted if b not in avail]
@@ -41,7 +47,33 @@ def _usable(rt, wanted):
             raise SystemExit(f"mcrdl: backends {missing} are not available here: "
                              f"{ {b: rt.available_backends()[b] for b in missing} }")
         return list(wanted)
-    return [b for b in ("mpi", "gloo", "nccl") if b in avail]
+    probe = _probe(device, 4)
+    return [b for b in ("mpi", "gloo", "nccl") if b in avail
+            and rt.backend(b).unsupported_reason(Op.ALL_REDUCE, Device(device), probe.dtype,
+                                                 ReduceOp.SUM) is None]
+
+
+def _probe(device: str, count: int):
+    """A float32 Buffer of ``count`` elements for selection (metadata only on a GPU)."""
+    import numpy as np
+
+    from . import dtypes
+    from .buffer import Buffer, Device
+
+    if device == "cpu":
+        return Buffer.from_numpy(np.empty(count, dtype=np.float32))
+    return Buffer(0, (count,), dtypes.float32, Device(device, 0))
+
+
+def _use_device(rt, device: str) -> None:
+    """On a GPU: each rank of a host takes its own device (local rank modulo devices)."""
+    if device == "cuda":
+        from .cuda import cupy, device_count, device_reason
+
+        reason = device_reason()
+        if reason is not None:
+            raise SystemExit(f"mcrdl: --device cuda, but {reason}")
+        cupy().cuda.Device(rt.bootstrap.local_rank % device_count()).use()
 
 
 class _Progress:
@@ -76,15 +108,16 @@ def _run_sweep(rt, args, backends, title):
     bar = _Progress(rt.rank, total, title)
     try:
         return _sweep.sweep(args.ops, sizes, backends, trials_scale=args.trials_scale,
-                            on_point=bar.step)
+                            on_point=bar.step, device=args.device)
     finally:
         bar.close()
 
 
 def cmd_tune(args) -> int:
     rt = init()
-    backends = _usable(rt, args.backends)
-    res = _run_sweep(rt, args, backends, f"tuning {len(backends)} backends")
+    _use_device(rt, args.device)
+    backends = _usable(rt, args.backends, args.device)
+    res = _run_sweep(rt, args, backends, f"tuning {len(backends)} backends ({args.device})")
     if rt.rank != 0:
         return 0
     path = args.output or _tuning.default_path()
@@ -94,7 +127,7 @@ def cmd_tune(args) -> int:
             existing = TuningTable.load(path).data
         except Exception as exc:  # a bad old file is replaced, and we say so
             logging.getLogger("mcrdl.tune").warning("replacing unreadable table: %s", exc)
-    results = {(op, rt.world_size, "cpu", "float"): pts for op, pts in res.items()}
+    results = {(op, rt.world_size, args.device, "float"): pts for op, pts in res.items()}
     table = _tuning.merge_table(existing, _tuning.build_entries(results), _tuning.fingerprint())
     _tuning.write_table(table, path)
     print(f"\nCrossover table for {rt.world_size} ranks (message size per rank -> backend):")
@@ -106,7 +139,8 @@ def cmd_tune(args) -> int:
 
 def cmd_bench(args) -> int:
     rt = init()
-    backends = _usable(rt, args.backends)
+    _use_device(rt, args.device)
+    backends = _usable(rt, args.backends, args.device)
     control = [f"{backends[0]}@2"] if args.control else []
     cols = backends + ["auto"] + control
     res = _run_sweep(rt, args, cols, f"bench {', '.join(cols)}")
@@ -132,7 +166,7 @@ def cmd_bench(args) -> int:
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump({"world_size": n, "table": getattr(rt.table, "path", None), "rows": rows,
                    "auto_vs_best": verdict}, f, indent=1)
-    _print_bench(res, backends, control, n, rt)
+    _print_bench(res, backends, control, n, rt, args.device)
     png = _plot(res, cols, n, stem + ".png")
     print(f"auto within max(5%, 2 µs) of the best single backend at {verdict['within']} of "
           f"{verdict['points']} points; sweep total: auto {verdict['auto_total_us']:.1f} µs vs "
@@ -170,7 +204,7 @@ def _auto_verdict(res, backends, col: str) -> dict:
             "totals_us": {b: t * 1e6 for b, t in totals.items()}}
 
 
-def _print_bench(res, backends, control, n, rt):
+def _print_bench(res, backends, control, n, rt, device="cpu"):
     print(f"\nLatency (µs, median of per-call max over {n} ranks); table: "
           f"{getattr(rt.table, 'path', None) or 'none (auto = policy)'}")
     cols = backends + ["auto"] + control
@@ -181,22 +215,20 @@ def _print_bench(res, backends, control, n, rt):
             _, bus = bandwidths(op, _sweep.algbw_bytes(op, size, n), n, lat["auto"])
             fastest = min(backends, key=lat.get)
             print(f"{op:15s} {size:9d} " + " ".join(f"{lat[b] * 1e6:9.1f}" for b in cols)
-                  + f" {fastest:>8s} {_pick(rt, op, size):>10s} {bus / 1e9:16.3f}")
+                  + f" {fastest:>8s} {_pick(rt, op, size, device):>10s} {bus / 1e9:16.3f}")
 
 
-def _pick(rt, op: str, size: int) -> str:
+def _pick(rt, op: str, size: int, device: str = "cpu") -> str:
     """The backend ``backend="auto"`` chooses for this sweep point (as the call would)."""
     import numpy as np
 
     from .buffer import Buffer
-    from .ops import Op, ReduceOp
 
     core_op = Op.SEND if op == "send_recv" else Op(op)
     if core_op is Op.BARRIER:
         buf = Buffer.from_numpy(np.zeros(1, dtype=np.uint8))
     else:
-        count = _sweep.element_count(op, size, rt.world_size, 4)
-        buf = Buffer.from_numpy(np.empty(count, dtype=np.float32))
+        buf = _probe(device, _sweep.element_count(op, size, rt.world_size, 4))
     reduce_op = ReduceOp.SUM if core_op in (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER) else None
     return rt.select(core_op, rt.world, buf, "auto", reduce_op).name
 
@@ -247,8 +279,16 @@ def cmd_info(args) -> int:
     if rt.unavailable_reason("mpi") is None:
         from mpi4py import MPI
 
+        from mcrdl_backends.mpi import cuda_support
+
+        aware, how = cuda_support()
         print(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}; CUDA-aware: "
-              "not detected (no CUDA buffer support yet)")
+              f"{'yes' if aware else 'no'} ({how}): CUDA buffers "
+              f"{'go to MPI as device pointers' if aware else 'are staged through pinned host memory'}")
+    from .cuda import device_reason
+
+    reason = device_reason()
+    print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
     path = _tuning.default_path()
     if rt.table is not None:
         print(f"tuning table in force: {rt.table.path}")
@@ -265,8 +305,14 @@ def cmd_info(args) -> int:
               "selection uses the policy")
     else:
         print(f"tuning table: none ({path} absent); selection uses the policy "
-              "(mpi, then gloo, for host buffers)")
+              "(mpi, then gloo, for host buffers; nccl, then mpi, then gloo, for CUDA buffers)")
     return 0
+
+
+def _device_count() -> int:
+    from .cuda import device_count
+
+    return device_count()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--backends", nargs="+", help="default: every available backend")
         p.add_argument("--trials-scale", type=float, default=1.0,
                        help="multiply the number of trials per point")
+        p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="buffers in host memory or on the GPU (CuPy arrays; nccl is "
+                            "measured too when it can run)")
         if name == "tune":
             p.add_argument("--output", "-o", help="table path (default: MCRDL_TUNING_TABLE or "
                                                   "~/.cache/mcrdl/tuning.json)")

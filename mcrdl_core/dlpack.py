@@ -130,6 +130,30 @@ def parse_capsule(capsule, producer=None):
     return ptr, shape, strides, dtype, device, readonly, owner
 
 
+def consumer_stream(obj):
+    """The stream to hand a CUDA producer's ``__dlpack__``: CuPy's current stream on the
+    producer's device (1 = DLPack's legacy default stream when that is CuPy's null
+    stream), or None for host producers and when CuPy is not installed. Only CUDA
+    producers ever import CuPy here."""
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None:
+        return None
+    try:
+        kind, index = dev()
+    except Exception:  # a producer that cannot say: let __dlpack__ decide
+        return None
+    if kind not in (KDL_CUDA, KDL_CUDA_MANAGED):
+        return None
+    try:
+        import cupy
+
+        with cupy.cuda.Device(index):
+            ptr = cupy.cuda.get_current_stream().ptr
+    except Exception:  # noqa: BLE001 - no CuPy, or no usable device: legacy semantics
+        return None
+    return ptr or 1
+
+
 def export(obj, stream=None):
     """Call ``obj.__dlpack__`` the modern way when the producer allows it."""
     kwargs = {} if stream is None else {"stream": stream}

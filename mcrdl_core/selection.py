@@ -22,7 +22,11 @@ dtype class ("float" or "int") also serves the other if that has no entry of its
 Policy without a table: CUDA buffers prefer nccl, then mpi, then gloo; host buffers
 prefer mpi, then gloo (MPI's shared-memory transport is the faster of the two on one
 node in ``make demo``'s measurements); the first backend that is available and can do
-the op/dtype wins.
+the op/dtype wins. So CUDA buffers fall through to mpi (staged or CUDA-aware) when NCCL
+cannot run (no GPU, a GPU shared by several ranks, no NCCL library: every rank of a
+homogeneous job gets the same verdict) and for what NCCL lacks (bitwise reductions,
+any-source receives are refused by it at call time). ``mcrdl tune --device cuda``
+measures nccl as one more backend and writes entries with ``"device": "cuda"``.
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ equally often (``balanced_order``, the same on every rank), so machine noise and
 previous call's after-effects fall on all alike. The collector is off while timing
 (as in timeit). A call's time is the slowest rank's (max over ranks); a point's figure
 is the median over its calls. Buffers are NumPy arrays (float32, or
-int32 for the int class), allocated once per point. Sizes are bytes per rank (the
+int32 for the int class), allocated once per point; with ``device="cuda"`` they are CuPy
+arrays on the current device, and each timed call ends with a synchronize of CuPy's
+current stream (NCCL calls return once enqueued, and the caller's stream is made to wait
+on them), so a call's time includes the GPU's part. Sizes are bytes per rank (the
 selection size, see selection.py).
 """
 from __future__ import annotations
@@ -34,14 +37,39 @@ def element_count(op: str, nbytes: int, n: int, itemsize: int) -> int:
     return max(count // n, 1) * n if op == "all_to_all" else count
 
 
-def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None):
-    """A zero-argument function doing one ``op`` of ``nbytes`` per rank on ``backend``."""
+def array_module(device: str):
+    """numpy for "cpu", cupy for "cuda" (imported only then)."""
+    if device == "cpu":
+        return np
+    if device != "cuda":
+        raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+    from .cuda import cupy
+
+    return cupy()
+
+
+def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None,
+              device: str = "cpu"):
+    """A zero-argument function doing one ``op`` of ``nbytes`` per rank on ``backend``,
+    on host memory or (``device="cuda"``) on the current GPU, synchronized per call."""
+    fn = _make_call(op, nbytes, backend, dtype, group, array_module(device))
+    if device == "cpu":
+        return fn
+    sync = array_module(device).cuda.get_current_stream().synchronize
+
+    def on_gpu():
+        fn()
+        sync()  # blocking calls only: nothing of another library is in flight here
+    return on_gpu
+
+
+def _make_call(op, nbytes, backend, dtype, group, xp):
     rt = get_runtime()
     g = rt.group(group)
     n, me = g.size, g.rank
     count = max(nbytes // np.dtype(dtype).itemsize, 1)
-    x = np.ones(count, dtype=dtype)
-    big = np.ones(count * n, dtype=dtype)
+    x = xp.ones(count, dtype=dtype)
+    big = xp.ones(count * n, dtype=dtype)
     kw = {"group": group, "backend": backend}
     root = g.ranks[0]
     if op == "all_reduce":
@@ -55,14 +83,14 @@ def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None):
     if op == "reduce_scatter":
         return lambda: api.reduce_scatter_tensor(x, big, **kw)
     if op == "all_to_all":  # the selection size of all-to-all is the whole input
-        inp = np.ones(element_count(op, nbytes, n, x.itemsize), dtype=dtype)
-        out = np.empty_like(inp)
+        inp = xp.ones(element_count(op, nbytes, n, x.itemsize), dtype=dtype)
+        out = xp.empty_like(inp)
         return lambda: api.all_to_all_single(out, inp, **kw)
     if op == "gather":
-        outs = [np.empty(count, dtype=dtype) for _ in range(n)] if me == 0 else None
+        outs = [xp.empty(count, dtype=dtype) for _ in range(n)] if me == 0 else None
         return lambda: api.gather(x, outs, root, **kw)
     if op == "scatter":
-        ins = [np.ones(count, dtype=dtype) for _ in range(n)] if me == 0 else None
+        ins = [xp.ones(count, dtype=dtype) for _ in range(n)] if me == 0 else None
         return lambda: api.scatter(x, ins, root, **kw)
     if op == "send_recv":  # ping-pong between group ranks 0 and 1; others idle
         if n < 2 or me > 1:
@@ -83,13 +111,15 @@ def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None):
 
 
 def measure_point(op: str, nbytes: int, backends, trials: int, warmup: int = 3,
-                  dtype=np.float32, group=None, settle_s: float = 2e-4) -> dict:
+                  dtype=np.float32, group=None, settle_s: float = 2e-4,
+                  device: str = "cpu") -> dict:
     """{backend: median seconds} for one (op, size), backends interleaved per trial.
     send_recv reports one-way latency (half the round trip)."""
     rt = get_runtime()
     sync_backend = "mpi" if rt.unavailable_reason("mpi") is None else "gloo"
     # "mpi@2" measures mpi a second time: an A/A control that shows the noise floor
-    calls = {b: make_call(op, nbytes, b.split("@")[0], dtype, group) for b in backends}
+    calls = {b: make_call(op, nbytes, b.split("@")[0], dtype, group, device)
+             for b in backends}
     for fn in calls.values():
         for _ in range(warmup):
             fn()
@@ -156,7 +186,7 @@ def sizes_between(lo: int, hi: int) -> list[int]:
 
 
 def sweep(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32, group=None,
-          on_point=None) -> dict:
+          on_point=None, device: str = "cpu") -> dict:
     """{op: {size: {backend: median seconds}}}. ``on_point(op, size)`` after each point
     (a progress bar). Barrier is measured once (it has no size)."""
     results = {}
@@ -166,7 +196,7 @@ def sweep(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32, 
         for size in pts:
             results[op][size] = measure_point(op, size, backends,
                                               trials_for(size, trials_scale), dtype=dtype,
-                                              group=group)
+                                              group=group, device=device)
             if on_point:
                 on_point(op, size)
     return results

@@ -155,3 +155,61 @@ class ThreadWork(Work):
             raise self._exc
         self._result = self._value
         return True
+
+
+class EventWork(Work):
+    """A CUDA event (any object with a non-blocking ``done`` property, such as
+    ``cupy.cuda.Event``): complete once the GPU has passed the point where the event was
+    recorded. The progress loop *queries* it (``cudaEventQuery``) and never synchronizes,
+    so MPI and Gloo work in flight keeps being driven while the GPU catches up.
+
+    ``check`` (optional) is called on each poll that finds the event not yet done; it
+    raises the library's asynchronous error (NCCL's ``check_async_error``) so that a
+    failed peer surfaces as an error naming the op instead of a wait that never ends.
+    ``keep`` holds memory the GPU may still read or write (staging buffers)."""
+
+    poll_group = "cuda"
+
+    def __init__(self, backend: str, op, event, group=None, *, keep=(), check=None,
+                 desc: str = ""):
+        super().__init__(backend, op, group, desc=desc)
+        self.event = event
+        self.keep = keep
+        self._check = check
+
+    def _poll(self) -> bool:
+        if self.event.done:
+            return True
+        if self._check is not None:
+            self._check()
+        return False
+
+    def _complete(self, error=None):
+        super()._complete(error)
+        self.keep = ()
+
+
+class ChainWork(Work):
+    """Work done in stages: ``first``, then whatever ``then()`` returns once ``first`` is
+    complete (a Work, or None when nothing is left). Used for CUDA buffers on host
+    libraries: the MPI/Gloo request, then the copy of the result back to the GPU (an
+    EventWork). The chain is polled like any other work; ``result`` is ``first``'s."""
+
+    def __init__(self, first: Work, then: Callable):
+        super().__init__(first.backend, first.op, first.group, desc=first.desc)
+        self.first = self.stage = first
+        self._then = then
+        self.host_progress = first.host_progress
+
+    def _poll(self) -> bool:
+        while True:
+            if not self.stage.test():
+                return False
+            if self.stage._error is not None:
+                raise self.stage._error
+            nxt, self._then = (self._then() if self._then else None), None
+            if nxt is None:
+                self._result = self.first._result
+                return True
+            self.stage = nxt
+            self.host_progress = nxt.host_progress
