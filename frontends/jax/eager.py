@@ -38,7 +38,7 @@ def _fast_path():
     if not _FAST:
         try:
             from jax._src.lib import xla_client as xc
-            dev = jax.devices("cpu")[0]
+            dev = jax.local_devices(backend="cpu")[0]  # this process's own
             sh = jax.sharding.SingleDeviceSharding(dev)
             probe = host.empty((2,), np.float32)
             y = xc.batched_device_put(jax.core.ShapedArray(probe.shape, probe.dtype), sh,

@@ -10,7 +10,8 @@ import pytest
 
 import mcrdl_jax as mj
 from conftest import RANK, SIZE, grp  # noqa: F401  (fixture)
-from mcrdl_core.errors import DtypeError, InvalidArgumentError, UnsupportedError
+from mcrdl_core.errors import (BackendUnavailableError, DtypeError, InvalidArgumentError,
+                               UnsupportedError)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
           "int32": np.int32}
@@ -145,6 +146,9 @@ def test_bad_input(backend, dt, mode, run):
     else:
         with pytest.raises(UnsupportedError, match="BAND is bitwise and needs an integer"):
             run(mj.all_reduce, x, op="band", backend=backend)
+    # a backend that cannot take this array here (no GPU: unavailable; with one: CPU array)
+    with pytest.raises((BackendUnavailableError, UnsupportedError), match="nccl"):
+        run(mj.all_reduce, x, backend="nccl")
     with pytest.raises(DtypeError, match="complex64, which MCR-DL does not communicate"):
         run(mj.all_reduce, jnp.ones(3, jnp.complex64), backend=backend)
     if SIZE > 1:
