@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import functools
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -56,11 +57,21 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def tensor(buf: Buffer) -> torch.Tensor:
-    """Flat torch view of a contiguous Buffer (no copy)."""
+    """Flat torch view of a contiguous Buffer (no copy). Read-only inputs (a JAX array's
+    memory, an XLA callback's operands) are viewed too: Gloo only reads inputs, and the
+    core refuses read-only outputs before anything gets here."""
     if buf.device.kind == "cuda":
         return _cuda_tensor(buf)
     h = buf.host().reshape(-1)
-    if buf.dtype is dt.bfloat16:
+    if not h.flags.writeable:
+        with warnings.catch_warnings():  # torch warns once about non-writable arrays
+            warnings.simplefilter("ignore", UserWarning)
+            return tensor_of(h, buf.dtype)
+    return tensor_of(h, buf.dtype)
+
+
+def tensor_of(h: np.ndarray, dtype) -> torch.Tensor:
+    if dtype is dt.bfloat16:
         return torch.from_numpy(h.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(h)
 
