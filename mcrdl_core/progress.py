@@ -7,11 +7,15 @@ wait is a loop that polls *all* in-flight work of *all* backends — MPI request
 timeout passes, which raises :class:`CommTimeoutError` naming op, group, backend and
 rank instead of hanging.
 
-Polling cost: the loop spins for ``MCRDL_SPIN_US`` µs (default 100), then yields the
-CPU (``sleep(0)``) between polls, so that oversubscribed ranks (3 ranks on 2 cores)
-leave the CPU to the rank doing the work. After 2 ms, if no in-flight work needs the
-host to drive it (``Work.host_progress``: MPI moves pipelined messages only while some
-rank calls into it), it naps with a backoff capped at 1 ms; Gloo and CUDA progress on
+Polling cost. While work that needs the host to drive it is in flight
+(``Work.host_progress``: MPI moves pipelined messages only while some rank calls into
+it) and this host has a core per rank, the loop polls without pause, as MPI's own
+blocking calls do: yielding between polls halved MPI's bandwidth (1 MiB all-reduce on 2
+ranks: 393 µs with yields after 100 µs, 289 µs spinning, 233 µs raw MPI). When the
+host has more ranks than cores (3 ranks on 2 cores), it spins ``MCRDL_SPIN_US`` µs
+(default 100) and then yields the CPU (``sleep(0)``) between polls, so that the rank
+doing the work gets the core. With no host-driven work in flight, it yields after the
+spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
 their own threads and engines.
 """
 from __future__ import annotations
@@ -33,6 +37,15 @@ class ProgressEngine:
         self.rank = 0
         self.timeout = float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT_S))
         self.spin_s = float(os.environ.get("MCRDL_SPIN_US", 100)) * 1e-6
+        self.oversubscribed = False  # more ranks than cores on this host: yield when idle
+
+    def configure(self, local_ranks: int) -> None:
+        """Tell the engine how many ranks share this host (the runtime does, at init)."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        self.oversubscribed = local_ranks > cores
 
     # --- registry -----------------------------------------------------------------------
     def add(self, work) -> None:
@@ -92,7 +105,10 @@ class ProgressEngine:
                 raise CommTimeoutError(self.diagnose(pending, timeout))
             if now < spin_until:
                 continue
-            if now < yield_until or any(w.host_progress for w in self.inflight):
+            if any(w.host_progress for w in self.inflight):
+                if self.oversubscribed:
+                    time.sleep(0)
+            elif now < yield_until:
                 time.sleep(0)
             else:
                 time.sleep(nap)

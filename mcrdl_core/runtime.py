@@ -32,6 +32,7 @@ class Runtime:
         self.world_size = self.bootstrap.size
         self.engine = _engine()
         self.engine.rank = self.rank
+        self.engine.configure(getattr(self.bootstrap, "local_size", 1))
         if timeout is not None:
             self.engine.timeout = float(timeout)
         self.debug = _truthy(os.environ.get("MCRDL_DEBUG")) if debug is None else debug
