@@ -18,7 +18,8 @@ leading axis unless ``tiled=True``; ``reduce_scatter`` splits the leading axis).
 differentiate so that the cotangent comes back (see ``autodiff.py`` for the rules).
 Before an eager call, work that jitted programs with communication left in flight is
 waited for (``jax.effects_barrier``), so that eager and jitted calls on one
-communicator never overlap. CPU arrays only, until the backends handle CUDA buffers.
+communicator never overlap. Arrays on one CPU device; GPU JAX arrays go through
+mcrdl_core's calls (DLPack, every backend) and are refused here with that advice.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import ReduceOp  # noqa: F401  (public name)
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
 
 from . import eager as _eager
 from .shapes import leading_blocks
@@ -54,6 +55,26 @@ def _check(x, what: str = "x"):
     return x
 
 
+def _placement(x, what: str) -> None:
+    """Concrete JAX arrays must live on one CPU device (GPU JAX arrays: go through
+    ``mcrdl_core``'s calls, which take them by DLPack; see docs/gpu.md)."""
+    if not isinstance(x, jax.Array):
+        return
+    dev = getattr(x.sharding, "_device", None)
+    if dev is None:
+        devs = x.devices()
+        if len(devs) != 1:
+            raise InvalidArgumentError(
+                f"mcrdl_jax: {what} is sharded over {len(devs)} devices; each process passes "
+                "its own single-device array (x.addressable_shards[0].data)")
+        dev = next(iter(devs))
+    if dev.platform != "cpu":
+        raise UnsupportedError(
+            f"mcrdl_jax: {what} is on {dev.platform}; mcrdl_jax handles CPU arrays so far. "
+            "Pass GPU arrays to mcrdl_core's calls (mcrdl_core.all_reduce(x, ...)), which take "
+            "them through DLPack on every backend")
+
+
 def _path(*xs):
     """autodiff (traced values) or eager (concrete ones, after in-flight jitted
     communication has finished)."""
@@ -61,6 +82,8 @@ def _path(*xs):
         _check(x, "x" if i == 0 else "like")
     if _traced(*xs):
         return _diff()
+    for i, x in enumerate(xs):
+        _placement(x, "x" if i == 0 else "like")
     if _traced_comm:
         jax.effects_barrier()
     return _eager

@@ -25,7 +25,7 @@ ALIGN = 64  # bytes; JAX adopts host memory without a copy at this alignment
 def view(x):
     """A CPU JAX array as a read-only NumPy view of its memory (no copy, about 1 µs
     against about 17 through DLPack); anything else as it is."""
-    if isinstance(x, jax.Array) and x.sharding._device.platform == "cpu":
+    if isinstance(x, jax.Array):  # the frontend checked: one CPU device
         return np.asarray(x)
     return x
 
