@@ -1,16 +1,24 @@
-"""A pipelined MLP in JAX over mcrdl_jax: one stage per process, GPipe schedule.
+"""A pipelined MLP in JAX over mcrdl_jax: one stage per process, GPipe or 1F1B.
 
-    mpiexec -n 3 .venv/bin/python bench/apps/jax_pipeline.py --steps 300
+    mpiexec -n 3 .venv/bin/python bench/apps/jax_pipeline.py --steps 300 [--schedule 1f1b]
 
 The model's layers are split into contiguous stages, one per rank. Each training step
 splits the batch into micro-batches; stage s receives each micro-batch's activations
 from stage s-1, applies its layers and sends the result to stage s+1; the last stage
-computes the loss. The whole per-rank step is one ``jax.jit(jax.grad(...))``: the
-backward pass is JAX's own, and the cotangents travel back from stage to stage through
-the derivatives of ``mcrdl_jax.send``/``recv`` (all forward micro-batches, then all
-backward ones in reverse: GPipe). Two rules of those derivatives show here:
-``send``'s token is added to the stage's objective, and ``recv``'s ``like`` is an
-argument that is differentiated (``carrier``), so that the cotangent is sent back.
+computes the loss. Two schedules:
+
+- ``gpipe`` (default): the whole per-rank step is one ``jax.jit(jax.grad(...))``; the
+  backward pass is JAX's own, and the cotangents travel back from stage to stage
+  through the derivatives of ``mcrdl_jax.send``/``recv`` (all forward micro-batches,
+  then all backward ones in reverse). Two rules of those derivatives show here:
+  ``send``'s token is added to the stage's objective, and ``recv``'s ``like`` is an
+  argument that is differentiated (``carrier``), so that the cotangent is sent back.
+- ``1f1b``: one forward, one backward (PipeDream-flush, as in Megatron-LM): after a
+  warm-up of S-s-1 forwards, stage s alternates forward and backward micro-batches, so
+  at most S-s activations are kept. Stage computations are jitted; activations and
+  gradients move eagerly with ``mcrdl_jax.sendrecv`` (send one way, receive the other,
+  both posted before either is waited on), paired so that no rank waits on another.
+  The backward recomputes the stage's forward from its saved input.
 
 ``--check`` trains the same model in one process (every rank can, it is small) and
 reports the largest difference between the stage's parameters and the reference's.
@@ -75,6 +83,10 @@ class Stage:
         # recv's template: differentiated, so that the cotangents go back upstream
         self.carrier = jnp.zeros((micro, self.mb, width_in), jnp.float32)
         self._step = jax.jit(self._train_step)
+        self._fwd = jax.jit(lambda p, h: apply_layers(p, h, len(dims) - 2, self.mine))
+        self._bwd = jax.jit(lambda p, h, ct: jax.vjp(self._fwd, p, h)[1](ct))
+        self._last = jax.jit(jax.value_and_grad(
+            lambda p, h, y: jnp.mean((self._fwd(p, h) - y) ** 2) / micro, argnums=(0, 1)))
 
     def objective(self, params, carrier, xs, ys):
         """This stage's share of the loss: the loss itself on the last stage, the sum of
@@ -97,12 +109,76 @@ class Stage:
         new = jax.tree_util.tree_map(lambda p, g: p - self.lr * g, params, grads)
         return new, value
 
-    def step(self, i: int):
+    def step(self, i: int, schedule: str = "gpipe"):
         x, y = batch(i, self.batch_size, self.dims)
         xs = x.reshape(self.micro, self.mb, -1)
         ys = y.reshape(self.micro, self.mb, -1)
+        if schedule == "1f1b":
+            return self._step_1f1b(xs, ys)
         self.params, value = self._step(self.params, self.carrier, xs, ys)
         return value  # the loss on the last stage, 0 elsewhere
+
+    # --- 1F1B -------------------------------------------------------------------------------
+    def _step_1f1b(self, xs, ys):
+        s, S, M, be = self.rank, self.size, self.micro, self.backend
+        if M < S:
+            raise SystemExit(f"1f1b needs at least as many micro-batches ({M}) as stages ({S})")
+        prev, nxt = s - 1, s + 1
+        act_like = jnp.zeros((self.mb, self.dims[self.mine[-1] + 1]), jnp.float32)
+        in_like = self.carrier[0]
+        inputs, outputs = [], []  # saved inputs (for the backward) and pending outputs
+        done = [0]  # forwards so far (the micro-batch index of the next one)
+        grads = jax.tree_util.tree_map(jnp.zeros_like, self.params)
+        loss = jnp.zeros((), jnp.float32)
+
+        def forward(h):
+            nonlocal loss
+            inputs.append(h)
+            done[0] += 1
+            if self.last:
+                value, g = self._last(self.params, h, ys[done[0] - 1])
+                loss = loss + value
+                outputs.append(g)  # the last stage's backward is already done
+                return None
+            return self._fwd(self.params, h)
+
+        def backward(ct):
+            """This micro-batch's parameter gradients; returns the input's cotangent."""
+            nonlocal grads
+            h = inputs.pop(0)
+            if self.last:
+                gp, gh = outputs.pop(0)
+            else:
+                gp, gh = self._bwd(self.params, h, ct)
+            grads = jax.tree_util.tree_map(jnp.add, grads, gp)
+            return gh
+
+        def receive_input(m):
+            return xs[m] if self.first else mj.recv(in_like, prev, backend=be)
+
+        warmup = S - s - 1
+        for m in range(warmup):  # forwards only
+            mj.send(forward(receive_input(m)), nxt, backend=be)
+        h = receive_input(warmup)
+        steady = M - warmup
+        for i in range(steady):
+            out = forward(h)
+            # send this forward's output, receive the oldest pending backward's cotangent
+            ct = None if self.last else mj.sendrecv(out, act_like, nxt, nxt, backend=be)
+            gh = backward(ct)
+            if i == steady - 1:
+                if not self.first:
+                    mj.send(gh, prev, backend=be)
+            elif self.first:
+                h = xs[warmup + i + 1]
+            else:  # send the input cotangent back, receive the next micro-batch's input
+                h = mj.sendrecv(gh, in_like, prev, prev, backend=be)
+        for _ in range(warmup):  # backwards only
+            gh = backward(mj.recv(act_like, nxt, backend=be))
+            if not self.first:
+                mj.send(gh, prev, backend=be)
+        self.params = jax.tree_util.tree_map(lambda p, g: p - self.lr * g, self.params, grads)
+        return loss
 
 
 def reference(dims, steps: int, batch_size: int, lr: float):
@@ -123,12 +199,12 @@ def reference(dims, steps: int, batch_size: int, lr: float):
     return params
 
 
-def train(dims, steps, micro, batch_size, lr, backend=None, log_every=0):
+def train(dims, steps, micro, batch_size, lr, backend=None, log_every=0, schedule="gpipe"):
     stage = Stage(dims, micro, batch_size, lr, backend)
     losses = []
     t0 = time.perf_counter()
     for i in range(steps):
-        value = stage.step(i)
+        value = stage.step(i, schedule)
         if log_every and (i % log_every == 0 or i == steps - 1):
             # the loss lives on the last stage: broadcast it for rank 0 to print
             loss = float(mj.broadcast(value, src=stage.size - 1))
@@ -156,14 +232,17 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--backend", default=None, help="mpi, gloo, or unset for auto")
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
     ap.add_argument("--check", action="store_true",
                     help="compare the parameters with a single-process run")
     ap.add_argument("--log-every", type=int, default=50)
     a = ap.parse_args(argv)
     dims = [16] + [a.width] * (a.layers - 1) + [4]
-    stage, losses, secs = train(dims, a.steps, a.micro, a.batch, a.lr, a.backend, a.log_every)
+    stage, losses, secs = train(dims, a.steps, a.micro, a.batch, a.lr, a.backend, a.log_every,
+                                a.schedule)
     if stage.rank == 0:
-        print(f"{stage.size} stages {stage.split}, {a.micro} micro-batches of {stage.mb}: "
+        print(f"{a.schedule}: {stage.size} stages {stage.split}, {a.micro} micro-batches of "
+              f"{stage.mb}: "
               f"{a.steps} steps in {secs:.1f} s ({secs / a.steps * 1e3:.1f} ms/step); loss "
               f"{losses[0][1]:.4f} -> {losses[-1][1]:.4f}")
     if a.check:
