@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from .buffer import Buffer
 from .errors import BackendUnavailableError
@@ -102,8 +103,7 @@ def current_stream(buf: Buffer) -> int:
     """The caller's current stream on ``buf``'s device, in the framework that owns it:
     torch's for torch tensors, CuPy's for everything else."""
     if _framework(root_owner(buf)) == "torch":
-        import torch  # already imported: the buffer is a torch tensor
-
+        torch = sys.modules["torch"]  # loaded already: the buffer is a torch tensor
         return torch.cuda.current_stream(buf.device.index).cuda_stream
     cp = cupy()
     with cp.cuda.Device(buf.device.index):

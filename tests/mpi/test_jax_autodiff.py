@@ -57,10 +57,17 @@ CASES = {
 }
 
 
-def reference_grad(shape, semantics):
-    """d/dx_RANK of sum_r sum(w_r * out_r(x_0..x_{n-1})), in one process."""
+def case_of(case):
+    """(input shape, call, semantics) of a case; skips cases this world size lacks."""
+    if case == "sendrecv_ring" and SIZE < 2:
+        pytest.skip("needs 2 ranks")
+    return CASES[case]
+
+
+def reference_grad(shape, semantics, weight=w_of):
+    """d/dx_RANK of sum_r sum(weight_r * out_r(x_0..x_{n-1})), in one process."""
     def total(xs):
-        return sum(jnp.sum(w_of(r, semantics(xs, r).shape) * semantics(xs, r))
+        return sum(jnp.sum(weight(r, semantics(xs, r).shape) * semantics(xs, r))
                    for r in range(SIZE))
     xs = [x_of(r, shape) for r in range(SIZE)]
     return jax.grad(total)(xs)[RANK]
@@ -70,9 +77,7 @@ def reference_grad(shape, semantics):
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_grad_matches_single_process(case, backend, mode):
-    shape, call, semantics = CASES[case]
-    if case == "sendrecv_ring" and SIZE < 2:
-        pytest.skip("needs 2 ranks")
+    shape, call, semantics = case_of(case)
 
     def objective(x):
         y = call(x, backend)
@@ -94,23 +99,21 @@ def test_grad_matches_single_process(case, backend, mode):
 def test_grad_in_16_bit_floats(case, backend, mode, dtype):
     """Cotangents keep the primal's 16-bit dtype on every path (the jit MPI path widens
     reductions to float32 and moves data as bits; the values here are exact in 16 bits)."""
-    shape, call, semantics = CASES[case]
-    if case == "sendrecv_ring" and SIZE < 2:
-        pytest.skip("needs 2 ranks")
+    shape, call, semantics = case_of(case)
     dt = jnp.dtype(dtype)
+
+    def weight(r, shape):  # small integers: exact in 16 bits
+        return (w_of(r, shape) * 4).round()
 
     def objective(x):
         y = call(x, backend)
-        return jnp.sum((w_of(RANK, y.shape) * 4).round().astype(dt) * y).astype(jnp.float32)
+        return jnp.sum(weight(RANK, y.shape).astype(dt) * y).astype(jnp.float32)
 
     grad = jax.grad(objective)
     g = (jax.jit(grad) if mode == "jit" else grad)(x_of(RANK, shape).astype(dt))
     assert g.dtype == dt
 
-    def total(xs):
-        return sum(jnp.sum((w_of(r, semantics(xs, r).shape) * 4).round() * semantics(xs, r))
-                   for r in range(SIZE))
-    want = jax.grad(total)([x_of(r, shape) for r in range(SIZE)])[RANK]
+    want = reference_grad(shape, semantics, weight)
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(want), rtol=1e-2,
                                err_msg=f"rank {RANK}")
 
@@ -147,9 +150,7 @@ def test_non_linear_reductions_refuse_grad():
 @pytest.mark.parametrize("case", list(CASES))
 def test_vmap_matches_a_loop(case, backend, mode):
     """vmap over a batch of 3 gives what 3 separate calls give."""
-    shape, call, _ = CASES[case]
-    if case == "sendrecv_ring" and SIZE < 2:
-        pytest.skip("needs 2 ranks")
+    shape, call, _ = case_of(case)
     xb = jnp.stack([x_of(RANK, shape, salt=s) for s in range(3)])
     f = jax.vmap(lambda x: call(x, backend))
     if mode == "jit":
