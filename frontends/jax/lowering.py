@@ -56,11 +56,13 @@ def _probe(x) -> Buffer:
 def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, check=True,
            counts=None):
     """(group, backend name, reduce op) for a traced call: the same checks and selection
-    as an eager call, and in debug mode the cross-rank signature check (collectives)."""
+    as an eager call, and in debug mode the cross-rank signature check (collectives).
+    ``root``: (global rank, argument name) of a rooted op."""
     probe = _probe(x)
     rt, g, be, reduce_op = _prepare(op, group, probe, backend, reduce_op, nbytes)
     if rt.debug and check:
-        _debug.check(rt, g, op, be, probe, reduce_op=reduce_op, root=root, count=probe.numel,
+        _debug.check(rt, g, op, be, probe, reduce_op=reduce_op,
+                     root=None if root is None else g.group_rank(*root), count=probe.numel,
                      counts=counts, shape=None if counts else probe.shape)
     return g, be.name, reduce_op
 
@@ -114,8 +116,7 @@ def all_reduce(x, op, group, backend):
 
 
 def reduce(x, dst, op, group, backend):
-    g0 = _core.get_runtime().group(group)
-    g, be, op = _lower(Op.REDUCE, x, group, backend, op, root=g0.group_rank(dst, "dst"))
+    g, be, op = _lower(Op.REDUCE, x, group, backend, op, root=(dst, "dst"))
     root = g.group_rank(dst, "dst")
     if not _via_mpi4jax(be):
         def run(a):
@@ -128,8 +129,7 @@ def reduce(x, dst, op, group, backend):
 
 
 def broadcast(x, src, group, backend):
-    g0 = _core.get_runtime().group(group)
-    g, be, _ = _lower(Op.BROADCAST, x, group, backend, root=g0.group_rank(src, "src"))
+    g, be, _ = _lower(Op.BROADCAST, x, group, backend, root=(src, "src"))
     if not _via_mpi4jax(be):
         return _callback(lambda a: (host.broadcast(a, src, g, be),), [_spec(x.shape, x.dtype)],
                          x, what="broadcast")
@@ -187,8 +187,7 @@ def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=Non
 
 
 def gather(x, dst, group, backend):
-    g0 = _core.get_runtime().group(group)
-    g, be, _ = _lower(Op.GATHER, x, group, backend, root=g0.group_rank(dst, "dst"))
+    g, be, _ = _lower(Op.GATHER, x, group, backend, root=(dst, "dst"))
     root = g.group_rank(dst, "dst")
     out = (g.size, *x.shape) if g.rank == root else tuple(x.shape)
     if not _via_mpi4jax(be):
@@ -203,8 +202,7 @@ def gather(x, dst, group, backend):
 
 def scatter(x, src, group, backend):
     leading_blocks(x, _core.get_runtime().group(group).size, "scatter", exact=True)
-    g0 = _core.get_runtime().group(group)
-    g, be, _ = _lower(Op.SCATTER, x[0], group, backend, root=g0.group_rank(src, "src"))
+    g, be, _ = _lower(Op.SCATTER, x[0], group, backend, root=(src, "src"))
     root = g.group_rank(src, "src")
     if not _via_mpi4jax(be):
         return _callback(lambda a: (host.scatter(a, src, g, be),),
