@@ -6,6 +6,7 @@ cupy arrays or Buffers). Names, arguments and semantics follow torch.distributed
 from __future__ import annotations
 
 import contextlib
+import os as _os
 
 from . import debug as _debug
 from . import validate as _v
@@ -22,6 +23,16 @@ def _prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
         _v.reduce_op(reduce_op, buf.dtype)
     be = rt.select(op, g, buf, backend, reduce_op, nbytes)
     return rt, g, be, reduce_op
+
+
+def _compression(compression, op, buf: Buffer, reduce_op=None):
+    """The compression allowed for this call (``compression=``, then MCRDL_COMPRESSION),
+    checked against its dtype and reduce op; None (the usual case) costs one env lookup."""
+    if compression is None and not _os.environ.get("MCRDL_COMPRESSION"):
+        return None
+    from .compress import resolve
+
+    return resolve(compression, op, buf.dtype, reduce_op)
 
 
 def _xp_copy(dst: Buffer, src_arr) -> None:
@@ -113,9 +124,15 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     return rt.finish(be.reduce(g, buf, root, op), spans, async_op, buf.nbytes)
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None):
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
+               compression=None):
+    """``compression``: allow a codec (docs/compression.md); None: MCRDL_COMPRESSION/off."""
     buf = _v.output(tensor, "tensor")
     rt, g, be, op = _prepare(Op.ALL_REDUCE, group, buf, backend, op)
+    cz = _compression(compression, Op.ALL_REDUCE, buf, op)
+    if cz is not None:
+        from .compress import entry
+        return entry.all_reduce(rt, g, buf, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
@@ -123,19 +140,24 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
-                           backend=None):
+                           backend=None, compression=None):
     out = _v.output(output_tensor, "output_tensor")
     inp = _v.input(input_tensor, "input_tensor")
     _v.same_kind([out, inp], "all_gather_into_tensor")
     rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
     _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
+    cz = _compression(compression, Op.ALL_GATHER, inp)
+    if cz is not None:
+        from .compress import entry
+        return entry.all_gather(rt, g, out, inp, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     return rt.finish(be.all_gather(g, out, inp), spans, async_op, out.nbytes)
 
 
-def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None):
+def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None,
+               compression=None):
     outs = [_v.output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
     inp = _v.input(tensor, "tensor")
     _v.same_kind(outs + [inp], "all_gather")
@@ -145,6 +167,12 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
                                       f"group of {g.size}; give one per rank")
     for i, o in enumerate(outs):
         _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
+    cz = _compression(compression, Op.ALL_GATHER, inp)
+    if cz is not None:
+        from .compress import entry
+        tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device)
+        return entry.all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
+                                then=lambda: _scatter_into(tmp, outs))
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
@@ -155,12 +183,16 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
-                          backend=None):
+                          backend=None, compression=None):
     out = _v.output(output, "output")
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "reduce_scatter_tensor")
     rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
     _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
+    cz = _compression(compression, Op.REDUCE_SCATTER, out, op)
+    if cz is not None:
+        from .compress import entry
+        return entry.reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
@@ -168,7 +200,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
-                   backend=None):
+                   backend=None, compression=None):
     out = _v.output(output, "output")
     ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
     _v.same_kind([out] + ins, "reduce_scatter")
@@ -178,6 +210,12 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
                                       f"group of {g.size}; give one per rank")
     for i, b in enumerate(ins):
         _v.numel(b, out.numel, f"input_list[{i}]", "each must match the output tensor")
+    cz = _compression(compression, Op.REDUCE_SCATTER, out, op)
+    if cz is not None:
+        from .compress import entry
+        rt.order(reads=ins, writes=(out,), keep=False)  # before the inputs are read
+        tmp = _concat(ins, g.size * out.numel)
+        return entry.reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)

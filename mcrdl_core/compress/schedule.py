@@ -1,0 +1,122 @@
+"""Running an algorithm written as a generator as one Work of the progress engine.
+
+An algorithm (``algorithms.py``) is a generator: it encodes, posts nonblocking sends
+and receives through a :class:`Channel` (the chosen backend's own ``send``/``recv``/
+``all_to_all``/``all_gather``, each returning that backend's Work), and *yields* the
+Works it needs finished before it can go on. :class:`ScheduleWork` runs the generator
+up to its first yield when the call is issued (so data is on the wire at once), then
+advances it whenever the engine polls it and the yielded Works are complete. No call
+ever blocks: waiting is the engine's loop, which drives every backend's in-flight
+work, so the deadlock-freedom rule holds for compressed collectives as for any other,
+and a stalled peer ends in the engine's timeout naming the op, the step and the peer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as _dt
+from ..buffer import Buffer
+from ..ops import Op
+from ..work import Work
+
+#: tags [TAG_BASE, TAG_BASE + TAG_SPAN) on a group's communicators are reserved for the
+#: messages of compressed collectives (MPI guarantees tags up to 32767)
+TAG_BASE = 31744
+TAG_SPAN = 1024
+
+
+class ScheduleWork(Work):
+    """A generator-driven Work; ``result`` is the generator's return value."""
+
+    poll_group = "compress"
+
+    def __init__(self, backend: str, op, group, gen, desc: str = ""):
+        super().__init__(backend, op, group, desc=desc)
+        self._gen = gen
+        self._waiting: list = []
+        self._desc0 = desc  # desc grows "waiting on ..." for timeout diagnostics
+        if self._advance():
+            self._complete()
+
+    def _advance(self) -> bool:
+        while True:
+            for w in self._waiting:
+                if not w.test():
+                    self.desc = f"{self._desc0} waiting on {w.op} {w.desc}"
+                    return False
+                if w._error is not None:
+                    raise w._error
+            try:
+                nxt = next(self._gen)
+            except StopIteration as stop:
+                self._result = stop.value
+                return True
+            self._waiting = list(nxt) if isinstance(nxt, (list, tuple)) else [nxt]
+            self.host_progress = any(w.host_progress for w in self._waiting)
+
+    def _poll(self) -> bool:
+        return self._advance()
+
+
+class Channel:
+    """The group, backend and device one compressed call communicates on."""
+
+    def __init__(self, rt, group, backend: str | None, device):
+        self.rt, self.group, self.device = rt, group, device
+        self.size, self.rank = group.size, group.rank
+        self.prev, self.next = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        self._backend = backend
+        self._chosen: dict = {}
+
+    def staging(self, nbytes: int) -> Buffer:
+        """Fresh bytes on the call's device (encoded data lives here)."""
+        return Buffer.empty((nbytes,), _dt.uint8, self.device)
+
+    def backend(self, op: Op, buf: Buffer):
+        be = self._chosen.get(op)
+        if be is None:
+            be = self._chosen[op] = self.rt.select(op, self.group, buf, self._backend)
+        return be
+
+    def send(self, buf: Buffer, peer: int, tag: int) -> Work:
+        return self.backend(Op.SEND, buf).send(self.group, buf, peer, TAG_BASE + tag % TAG_SPAN)
+
+    def recv(self, buf: Buffer, peer: int, tag: int) -> Work:
+        return self.backend(Op.RECV, buf).recv(self.group, buf, peer, TAG_BASE + tag % TAG_SPAN)
+
+    def all_to_all(self, out: Buffer, inp: Buffer) -> Work:
+        counts = [inp.numel // self.size] * self.size
+        return self.backend(Op.ALL_TO_ALL, inp).all_to_all(self.group, out, inp, counts, counts)
+
+    def all_gather(self, out: Buffer, inp: Buffer) -> Work:
+        return self.backend(Op.ALL_GATHER, inp).all_gather(self.group, out, inp)
+
+
+# --- dtype conversions between a call's buffers and the arrays the codecs work on ------
+def xp_of(buf: Buffer):
+    if buf.device.kind == "cpu":
+        return np
+    import cupy  # lazy: CUDA buffers only
+
+    return cupy
+
+
+def to_work(buf: Buffer, wd: np.dtype):
+    """``buf`` as a flat array of the work dtype (a view when it already is one)."""
+    arr = buf.array().reshape(-1)
+    if buf.dtype is _dt.bfloat16 and buf.device.kind != "cpu":  # CuPy sees uint16 bits
+        from .codecs import _bf16_values
+
+        return _bf16_values(arr, xp_of(buf), wd)
+    return arr if arr.dtype == wd else arr.astype(wd)
+
+
+def store(buf: Buffer, values) -> None:
+    """Write work-dtype ``values`` into ``buf`` (rounding to its dtype)."""
+    arr = buf.array().reshape(-1)
+    if buf.dtype is _dt.bfloat16 and buf.device.kind != "cpu":
+        from .codecs import _bf16_bits
+
+        arr[...] = _bf16_bits(values, xp_of(buf))
+    else:
+        arr[...] = values

@@ -1,0 +1,212 @@
+"""What the user allowed (``compression=`` or ``MCRDL_COMPRESSION``) and the plan of one
+compressed call: pure data, printable and testable without any communication.
+
+Spelling of a compression spec (keyword argument or environment variable):
+
+- ``"int8"``, ``"int8:512"`` (block size), ``"int4"``, ``"int4:64"``, ``"fp16"``,
+  ``"fp16:4096"``, ``"bf16"``, ``"zfp:16"`` (zfp fixed rate, bits per value), ``"none"``
+  (the uncompressed ring, to compare against);
+- optionally ``@ALGORITHM``: ``ring`` (default: the seed paper's collective
+  compression), ``p2p`` (its baseline: encode and decode at every hop) or ``a2a`` (one
+  backend call on the encoded bytes: all-to-all for reduce-scatter, ZeRO++ qgZ style;
+  all-gather for all-gather, qwZ style);
+- or a :class:`Compression` object (``chunks=`` sets the pipeline depth).
+
+``MCRDL_COMPRESSION`` gives the process default, for all three ops (``int8``) or per op
+(``all_gather=int8,reduce_scatter=fp16@a2a``; keys all_gather, reduce_scatter,
+all_reduce). ``MCRDL_COMPRESSION_CHUNKS`` sets the default pipeline depth. Off unless
+set: lossy compression is never used unless allowed here or by the keyword.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes as _dt
+from ..errors import DtypeError, InvalidArgumentError, UnsupportedError
+from ..ops import Op, ReduceOp
+from . import codecs as _c
+
+ALGORITHMS = ("ring", "p2p", "a2a")
+OPS = {"all_gather": Op.ALL_GATHER, "reduce_scatter": Op.REDUCE_SCATTER,
+       "all_reduce": Op.ALL_REDUCE}
+#: encoded bytes per chunk above which a block is split into pipelined chunks
+CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class Compression:
+    """An allowed codec and the algorithm that uses it. ``chunks``: pieces per block,
+    each encoded, sent and decoded on its own so that the codec of one overlaps the
+    transfer of another (None: one per MiB of encoded data, at most 8)."""
+
+    codec: str
+    algorithm: str = "ring"
+    chunks: int | None = None
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise InvalidArgumentError(f"compression algorithm {self.algorithm!r} is unknown; "
+                                       f"use one of {list(ALGORITHMS)}")
+        if self.chunks is not None and (not isinstance(self.chunks, int) or self.chunks < 1):
+            raise InvalidArgumentError(f"compression chunks={self.chunks!r} must be a positive "
+                                       "integer")
+        make_codec(self.codec, "float32")  # fails early on an unknown codec or a missing zfpy
+
+    def __str__(self) -> str:
+        return f"{self.codec}@{self.algorithm}" + (f"*{self.chunks}" if self.chunks else "")
+
+
+def parse(spec) -> Compression | None:
+    """A Compression from a spec string or object; None for None/'' /'off'."""
+    if spec is None or isinstance(spec, Compression):
+        return spec
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"compression must be a string such as 'int8' or "
+                                   f"'fp16@a2a', or a Compression, got {type(spec).__name__}")
+    text = spec.strip().lower()
+    if text in ("", "off", "0", "false"):
+        return None
+    codec, _, algo = text.partition("@")
+    return Compression(codec, algo or "ring", _env_chunks())
+
+
+def _env_chunks() -> int | None:
+    raw = os.environ.get("MCRDL_COMPRESSION_CHUNKS")
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"MCRDL_COMPRESSION_CHUNKS={raw!r} must be an integer") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _env_table(raw: str) -> dict:
+    table = {}
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        key, eq, value = item.partition("=")
+        if not eq:
+            table["*"] = parse(key)
+            continue
+        if key.strip() not in OPS:
+            raise InvalidArgumentError(f"MCRDL_COMPRESSION: unknown op {key.strip()!r}; use "
+                                       f"{sorted(OPS)} (or one spec for all of them)")
+        table[key.strip()] = parse(value)
+    return table
+
+
+def env_default(op: Op) -> Compression | None:
+    """The process default for ``op`` from MCRDL_COMPRESSION (None when unset)."""
+    raw = os.environ.get("MCRDL_COMPRESSION")
+    if not raw:
+        return None
+    table = _env_table(raw)
+    return table.get(op.value, table.get("*"))
+
+
+def resolve(compression, op: Op, dtype: _dt.DType, reduce_op: ReduceOp | None = None):
+    """The Compression for one call (keyword first, then the environment), checked
+    against the call's dtype and reduce op; None: no compression. Raises before anything
+    is sent."""
+    cz = parse(compression) if compression is not None else env_default(op)
+    if cz is None:
+        return None
+    codec = make_codec(cz.codec, dtype.name)
+    if codec.lossy and not dtype.is_floating:
+        raise DtypeError(f"compression {cz.codec!r} is lossy and refuses {dtype.name} data; "
+                         "pass compression=None (or 'none') for integer tensors")
+    if reduce_op is not None and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise UnsupportedError(f"compressed {op} supports ReduceOp SUM and AVG, not "
+                               f"{reduce_op.name}; pass compression=None for it")
+    return cz
+
+
+def work_dtype(dtype: _dt.DType) -> np.dtype:
+    """The dtype arithmetic and codecs run in: float64 stays, other floats use float32,
+    integers (uncompressed ring only) their own type."""
+    if dtype is _dt.float64 or not dtype.is_floating:
+        return dtype.np_dtype
+    return np.dtype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def make_codec(name: str, dtype_name: str = "float32") -> _c.Codec:
+    """The codec called ``name`` (see the module docstring) for data of ``dtype_name``."""
+    kind, _, arg = name.partition(":")
+    try:
+        if kind == "none":
+            dt = _dt.lookup(dtype_name)
+            return _c.Identity(dt.np_dtype)
+        if kind == "bf16" and not arg:
+            return _c.BF16()
+        if kind in ("fp16", "int8", "int4"):
+            cls = {"fp16": _c.FP16, "int8": _c.Int8, "int4": _c.Int4}[kind]
+            return cls(int(arg)) if arg else cls()
+        if kind == "zfp" and arg:
+            return _c.ZFP(int(arg))
+    except ValueError:
+        pass
+    raise InvalidArgumentError(f"unknown codec {name!r}; use int8[:BLOCK], int4[:BLOCK], "
+                               "fp16[:BLOCK], bf16, zfp:RATE or none")
+
+
+def align(codec: _c.Codec) -> int:
+    """Chunk boundaries fall on multiples of this many elements, so that a chunked
+    encoding holds the same bytes as an unchunked one."""
+    return getattr(codec, "block", 4 if isinstance(codec, _c.ZFP) else 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one compressed call runs. ``count``: elements per rank's block; bytes are
+    per rank's block; ``wire_bytes``: what each rank sends in all."""
+
+    op: str
+    algorithm: str
+    codec: str
+    group_size: int
+    count: int
+    dtype: str
+    chunks: int
+    chunk_counts: tuple
+    raw_bytes: int
+    encoded_bytes: int
+    wire_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
+
+    def __str__(self) -> str:
+        return (f"{self.op} {self.algorithm} codec={self.codec} P={self.group_size} "
+                f"block={self.count} {self.dtype} ({self.raw_bytes} B -> {self.encoded_bytes} B, "
+                f"ratio {self.ratio:.2f}) chunks={self.chunks} wire={self.wire_bytes} B/rank")
+
+
+def plan(op: Op, cz: Compression, group_size: int, count: int,
+         dtype: _dt.DType | str = "float32") -> Plan:
+    """The plan of a compressed ``op`` of ``count`` elements per rank block (pure)."""
+    dtype = _dt.lookup(dtype)
+    codec = make_codec(cz.codec, dtype.name)
+    enc = codec.encoded_nbytes(count)
+    chunks = cz.chunks
+    if chunks is None:
+        chunks = 1 if cz.algorithm != "ring" else max(1, min(MAX_CHUNKS, enc // CHUNK_BYTES))
+    if cz.algorithm == "a2a":
+        chunks = 1
+    step = -(-count // chunks) if chunks else count
+    a = align(codec)
+    step = max(a, -(-step // a) * a)
+    counts = tuple(min(step, count - o) for o in range(0, count, step)) or (0,)
+    enc_chunks = sum(codec.encoded_nbytes(c) for c in counts)
+    hops = {Op.ALL_GATHER: group_size - 1, Op.REDUCE_SCATTER: group_size - 1,
+            Op.ALL_REDUCE: 2 * (group_size - 1)}[op]
+    return Plan(op.value, cz.algorithm, codec.name, group_size, count, dtype.name, len(counts),
+                counts, count * dtype.itemsize, enc_chunks, hops * enc_chunks)
