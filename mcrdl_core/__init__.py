@@ -14,6 +14,7 @@ from .errors import (BackendUnavailableError, CommTimeoutError, DtypeError, Inva
                      McrdlError, MismatchError, NotInitializedError, TableError, UnsupportedError)
 from .group import Group
 from .ops import Op, ReduceOp
+from .reshard.api import plan_reshard, reshard
 from .runtime import Runtime, destroy, get_runtime, init, is_initialized
 from .selection import TuningTable
 from .work import CompletedWork, Work
