@@ -61,12 +61,16 @@ Ops
 """
 from __future__ import annotations
 
+import os
+import time
 import warnings
 
 from mcrdl_core import cuda as _cuda
+from mcrdl_core import validate as _v
 from mcrdl_core.backend import Backend
 from mcrdl_core.errors import InvalidArgumentError, McrdlError, UnsupportedError
 from mcrdl_core.ops import BITWISE, REDUCING, Op, ReduceOp
+from mcrdl_core.progress import engine as _engine
 from mcrdl_core.work import EventWork, ThreadWork
 
 #: MCR-DL dtype name -> attribute of cupy.cuda.nccl
@@ -137,8 +141,64 @@ def share_unique_id(bootstrap, ranks, make_id=None):
     return bootstrap.group_bcast(uid, ranks, root=0)
 
 
+def shared_gpu_reason(group, where) -> str | None:
+    """Why NCCL cannot run ``group``, from the (host, PCI bus id) of the GPU each member
+    uses (``where``, in the order of ``group.ranks``, gathered from the members: every
+    member decides the same), or None. NCCL needs one GPU per rank; how many GPUs a
+    rank *sees* does not matter (CUDA_VISIBLE_DEVICES or Slurm's --gpus-per-task=1 show
+    each rank only its own)."""
+    seen: dict = {}
+    for r, loc in zip(group.ranks, where):
+        loc = tuple(loc)
+        if loc in seen:
+            return (f"nccl: ranks {seen[loc]} and {r} of {group.describe()} both use GPU "
+                    f"{loc[1]} on {loc[0]}; NCCL needs one GPU per rank. Give each rank its "
+                    "own device (e.g. torch.cuda.set_device(local_rank)) or use "
+                    "backend='mpi' or 'gloo' for these calls (MCRDL_BACKEND=mpi for all)")
+        seen[loc] = r
+    return None
+
+
+def connect_eagerly() -> None:
+    """Ask NCCL (>= 2.22) to open a communicator's connections at creation, on the helper
+    thread that creates it, rather than lazily inside the first collective's
+    ``ncclGroupEnd`` on the calling thread, which would block that thread while MPI
+    work in flight needs it: ``NCCL_RUNTIME_CONNECT=0``, unless the user set it. NCCL
+    reads it once, at its first communicator; set it earlier yourself if something
+    else in the process creates NCCL communicators first."""
+    os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
+
+
+PRECONNECT_MAX_RANKS = 16  # default bound: every pair costs NCCL buffers on both GPUs
+
+
+def preconnect_wanted(size: int) -> bool:
+    """Whether to open the p2p connections of a group of ``size`` at creation:
+    ``MCRDL_NCCL_PRECONNECT=1``/``0`` if set, else for groups of up to
+    PRECONNECT_MAX_RANKS ranks."""
+    flag = _cuda.env_flag("MCRDL_NCCL_PRECONNECT")
+    return size > 1 and (flag if flag is not None else size <= PRECONNECT_MAX_RANKS)
+
+
+def preconnect(nccl, comm, me: int, size: int, send_ptr: int, recv_ptr: int,
+               stream_ptr: int) -> None:
+    """Open NCCL's point-to-point connections to every peer now (NCCL always connects
+    p2p lazily, inside the first ``ncclGroupEnd`` with that peer): one byte to and from
+    every peer in one NCCL group. Every member runs it at creation, on the helper
+    thread; ``recv_ptr`` needs ``size`` bytes (peer p writes byte p)."""
+    nccl.groupStart()
+    try:
+        for p in range(size):
+            if p != me:
+                comm.send(send_ptr, 1, nccl.NCCL_UINT8, p, stream_ptr)
+                comm.recv(recv_ptr + p, 1, nccl.NCCL_UINT8, p, stream_ptr)
+    finally:
+        nccl.groupEnd()
+
+
 class _Comm:
-    """One group's NCCL communicator, its device and its communication stream."""
+    """One group's NCCL communicator, its device and its communication stream (a
+    process-lifetime stream: see ``mcrdl_core.cuda.lasting_stream``)."""
 
     def __init__(self, nccl_comm, device: int, stream, group):
         self.nccl = nccl_comm
@@ -148,6 +208,7 @@ class _Comm:
         self.scratch = None  # one float for barrier
         self.torch_stream = None
         self.failed: BaseException | None = None
+        self.held: list = []  # buffers of failed ops: kept until the communicator is aborted
 
     def check(self, op) -> None:
         """Raise NCCL's asynchronous error of this communicator, naming ``op``."""
@@ -162,13 +223,34 @@ class _Comm:
                 "died or called another op) and run with NCCL_DEBUG=INFO for details")
             raise self.failed from exc
 
+    def close(self) -> str:
+        """Release the communicator: ``abort()`` if it failed (an asynchronous error now or
+        before: ``ncclCommDestroy`` would wait forever for its stuck ops, and CuPy's
+        ``destroy()`` never raises), else ``destroy()``. Returns which was done."""
+        if self.failed is None:
+            try:
+                self.check("shutdown")
+            except NCCLError:
+                pass
+        if self.failed is not None:
+            self.nccl.abort()
+            done = "aborted"
+        else:
+            self.nccl.destroy()
+            done = "destroyed"
+        self.held = []
+        return done
+
 
 class NCCLWork(EventWork):
     """An NCCL op: the event recorded on the communication stream after it.
 
     ``wait()`` makes the caller's current stream wait on the event and returns at once
-    (the host does not block); finalizers run then, on that stream. ``host_wait`` works
-    (barrier) wait on the host instead, through the progress loop."""
+    (the host does not block); finalizers run then, on that stream. The GPU may still be
+    running the op then, so the Work goes on the progress engine's pending list, which
+    keeps its buffers referenced (and checks the communicator's asynchronous errors)
+    until the event completes. ``host_wait`` works (barrier) wait on the host instead,
+    through the progress loop."""
 
     def __init__(self, op, group, event, comm: _Comm, bufs, caller: int, desc="",
                  host_wait=False):
@@ -178,6 +260,7 @@ class NCCLWork(EventWork):
         self.caller = caller  # caller's stream at issue: finalizers run on it
         self.host_wait = host_wait
         self.ref = bufs[0] if bufs else None
+        self.held = ()  # buffers kept while pending
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._done or self.host_wait:
@@ -201,35 +284,59 @@ class NCCLWork(EventWork):
         return True
 
     def _complete(self, error=None):
-        if self._done or error is not None or not self._finalizers:
-            return super()._complete(error)
-        cp = _cuda.cupy()
-        with cp.cuda.Device(self.comm.device), _cuda.stream(self.caller, self.comm.device):
+        if self._done:
+            return
+        hold = self.keep
+        if error is not None or not self._finalizers:
             super()._complete(error)
+        else:
+            cp = _cuda.cupy()
+            with cp.cuda.Device(self.comm.device), _cuda.stream(self.caller, self.comm.device):
+                super()._complete(error)
+        self.ref = None
+        if error is not None and self.comm.failed is not None:
+            self.comm.held.extend(hold)  # the failed op may still touch them: until abort
+        elif error is None and hold and not self.event.done:
+            self.held = hold
+            (self.engine or _engine()).defer(self)
+
+    def release(self) -> bool:
+        """For the engine's pending list: True once the GPU is past the op (the buffers
+        are let go). An asynchronous error of the communicator is raised, naming the op;
+        the buffers then stay with the communicator until it is aborted."""
+        if self.event.done:
+            self.held = ()
+            return True
+        try:
+            self.comm.check(self.op)
+        except BaseException:
+            self.comm.held.extend(self.held)
+            self.held = ()
+            raise
+        return False
 
 
 class NCCLBackend(Backend):
     name = "nccl"
     devices = ("cuda",)
 
-    _reasons: dict = {}  # local_size -> reason (facts of this host; computed once)
+    _reasons: list = []  # memo: [reason or None] (facts of this process; computed once)
 
     @classmethod
     def unavailable_reason(cls, bootstrap):
-        local = getattr(bootstrap, "local_size", 1)
-        if local not in cls._reasons:
-            cls._reasons[local] = cls._reason(local)
-        return cls._reasons[local]
+        """From facts that do not depend on how the ranks are placed: CuPy, a visible CUDA
+        device, the NCCL library. Whether the members of a group have a GPU each is
+        decided when its communicator is created, from the (host, PCI bus id) gathered
+        from them (``shared_gpu_reason``): the same verdict on every member."""
+        if not cls._reasons:
+            cls._reasons.append(cls._reason())
+        return cls._reasons[0]
 
     @staticmethod
-    def _reason(local_size: int) -> str | None:
+    def _reason() -> str | None:
         reason = _cuda.device_reason()
         if reason is not None:
             return reason
-        n = _cuda.device_count()
-        if local_size > n:
-            return (f"{local_size} ranks run on this host but it has {n} CUDA device(s); NCCL "
-                    "needs a GPU per rank (CUDA buffers go to mpi or gloo instead)")
         return nccl_library()[1]
 
     def unsupported_reason(self, op, device, dtype, reduce_op=None):
@@ -251,8 +358,7 @@ class NCCLBackend(Backend):
 
     # --- communicators ------------------------------------------------------------------
     def create_comm(self, group):
-        cp = _cuda.cupy()
-        return self._create(group, cp.cuda.runtime.getDevice())
+        return self._create(group, _cuda.current_device())
 
     def _comm(self, group, device: int) -> _Comm:
         c = group.comms.get(self.name)
@@ -266,40 +372,62 @@ class NCCLBackend(Backend):
         return c
 
     def _create(self, group, device: int) -> _Comm:
-        cp = _cuda.cupy()
+        """Collective over the group's members: check the placement, share the unique id,
+        create the communicator (and open its p2p connections) on a helper thread while
+        this thread keeps driving the progress loop."""
         nccl = _nccl()
         bs = self.rt.bootstrap
-        pci = cp.cuda.Device(device).pci_bus_id
-        where = bs.group_allgather((bs.hostname(), pci), group.ranks)
-        seen: dict = {}
-        for r, loc in zip(group.ranks, where):
-            if loc in seen:
-                raise UnsupportedError(
-                    f"nccl: ranks {seen[loc]} and {r} of {group.describe()} both use GPU "
-                    f"{loc[1]} on {loc[0]}; NCCL needs one GPU per rank. Give each rank its "
-                    "own device (e.g. torch.cuda.set_device(local_rank)) or use "
-                    "backend='mpi' or 'gloo' for these calls")
-            seen[loc] = r
+        where = bs.group_allgather((bs.hostname(), _cuda.pci_bus_id(device)), group.ranks)
+        reason = shared_gpu_reason(group, where)
+        if reason is not None:
+            raise UnsupportedError(reason)
+        connect_eagerly()
         uid = share_unique_id(bs, group.ranks)
+        stream = _cuda.lasting_stream(device, group.id)
+        warm = preconnect_wanted(group.size)
 
         def init():
-            with cp.cuda.Device(device):
-                return nccl.NcclCommunicator(group.size, uid, group.rank)
+            with _cuda.on_device(device):
+                comm = nccl.NcclCommunicator(group.size, uid, group.rank)
+                if warm:
+                    scratch = _cuda.device_bytes(group.size + 1, device)
+                    ptr = scratch.data.ptr
+                    preconnect(nccl, comm, group.rank, group.size, ptr, ptr + 1, stream.ptr)
+                    stream.synchronize()  # this helper thread only; scratch freed after
+            return comm
 
         work = ThreadWork("nccl", "create communicator", init, group, desc="ncclCommInitRank")
         self.rt.engine.wait([work])
-        with cp.cuda.Device(device):
-            stream = cp.cuda.Stream(non_blocking=True)
         return _Comm(work.result(), device, stream, group)
 
     def destroy(self):
+        self._settle(self.rt.engine)
         for g in self.rt.groups:
             c = g.comms.pop(self.name, None)
             if c is not None:
-                try:
-                    c.nccl.destroy()
-                except Exception:  # noqa: BLE001 - a failed communicator: abort it
-                    c.nccl.abort()
+                c.close()
+
+    @staticmethod
+    def _settle(engine) -> None:
+        """Before the communicators go: poll until the GPU is done with the ops the
+        engine still holds (bounded by the engine's timeout). An op that failed or did
+        not finish in time marks its communicator failed, so that it is aborted."""
+        deadline = time.perf_counter() + engine.timeout
+        while engine.pending:
+            try:
+                engine.reap()
+            except McrdlError:
+                continue  # that communicator is failed now: close() aborts it
+            if not engine.pending:
+                return
+            if time.perf_counter() > deadline:
+                for w in engine.pending:
+                    comm = getattr(w, "comm", None)
+                    if comm is not None and comm.failed is None:
+                        comm.failed = NCCLError(f"nccl: {w.op} did not finish before shutdown")
+                engine.pending.clear()
+                return
+            time.sleep(1e-4)
 
     # --- helpers ------------------------------------------------------------------------
     @staticmethod
@@ -397,6 +525,27 @@ class NCCLBackend(Backend):
         work._result = src
         return work
 
+    def batch_p2p(self, group, sends, recvs):
+        """Sends and receives (``[(buf, group rank)]``) as one NCCL group
+        (``groupStart``/``groupEnd``): one Work; no order among them can deadlock."""
+        bufs = [b for b, _ in sends] + [b for b, _ in recvs]
+        if not bufs:
+            raise InvalidArgumentError("nccl: batch_p2p needs at least one send or receive")
+        items = [(True, b, p) + self._type(b)[:2] for b, p in sends]
+        items += [(False, b, p) + self._type(b)[:2] for b, p in recvs]
+        nccl = _nccl()
+
+        def enqueue(comm, s):
+            nccl.groupStart()
+            try:
+                for is_send, b, peer, dtype, count in items:
+                    if count:
+                        (comm.send if is_send else comm.recv)(b.ptr, count, dtype, peer, s)
+            finally:
+                nccl.groupEnd()
+        return self._issue(Op.SEND if sends else Op.RECV, group, bufs, enqueue,
+                           desc=f"batch of {len(sends)} sends, {len(recvs)} receives")
+
     # --- collectives --------------------------------------------------------------------
     def broadcast(self, group, buf, root):
         t, n, _ = self._type(buf)
@@ -427,6 +576,7 @@ class NCCLBackend(Backend):
                            lambda c, s: c.reduceScatter(inp.ptr, out.ptr, n, t, o, s))
 
     def all_to_all(self, group, out, inp, out_counts, in_counts):
+        _v.own_block(out_counts, in_counts, group.rank, "nccl: all_to_all")
         t, _, scale = self._type(inp)
         isz = inp.dtype.itemsize
         me = group.rank
@@ -466,7 +616,7 @@ class NCCLBackend(Backend):
 
     def barrier(self, group):
         cp = _cuda.cupy()
-        comm = group.comms.get(self.name) or self._comm(group, cp.cuda.runtime.getDevice())
+        comm = group.comms.get(self.name) or self._comm(group, _cuda.current_device())
         if comm.scratch is None:
             with cp.cuda.Device(comm.device):
                 comm.scratch = cp.zeros(1, dtype=cp.float32)

@@ -40,20 +40,19 @@ def _xp_copy(dst: Buffer, src_arr) -> None:
     d[...] = src_arr.reshape(d.shape)
 
 
-def _on_producer_stream(buf: Buffer):
-    """Where to run CuPy copies of ``buf``'s list: on the stream its producer writes on
-    (torch's current stream, the stream given to DLPack...), so that a copy never reads
-    data that is still being written. Host buffers: no context."""
-    if buf.device.kind != "cuda":
+def _copies_into(targets, sources=(), after_current=False):
+    """Where CuPy copies of a list-form call run (see ``cuda.copies_into``): on the
+    stream of what they write, after what they read. Host buffers: no context."""
+    if targets[0].device.kind != "cuda":
         return contextlib.nullcontext()
     from . import cuda
 
-    return cuda.stream(cuda.producer_stream(buf), buf.device.index)
+    return cuda.copies_into(targets, sources, after_current)
 
 
 def _concat(bufs, total: int) -> Buffer:
-    tmp = Buffer.empty((total,), bufs[0].dtype, bufs[0].device)
-    with _on_producer_stream(bufs[0]):
+    tmp = Buffer.empty((total,), bufs[0].dtype, bufs[0].device, like=bufs[0])
+    with _copies_into([tmp], bufs):
         t = tmp.array()
         off = 0
         for b in bufs:
@@ -63,7 +62,7 @@ def _concat(bufs, total: int) -> Buffer:
 
 
 def _scatter_into(tmp: Buffer, outs) -> None:
-    with _on_producer_stream(outs[0]):
+    with _copies_into(outs, after_current=True):
         t = tmp.array()
         off = 0
         for b in outs:
@@ -176,7 +175,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
-    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device)
+    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
     work = be.all_gather(g, tmp, inp)
     work.add_finalizer(lambda: _scatter_into(tmp, outs))
     return rt.finish(work, spans, async_op, tmp.nbytes)
@@ -263,7 +262,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         _debug.check(rt, g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
     spans = rt.order(reads=ins, writes=outs, keep=async_op)
     tmp_in = _concat(ins, sum(in_counts))
-    tmp_out = Buffer.empty((sum(out_counts),), outs[0].dtype, outs[0].device)
+    tmp_out = Buffer.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
     work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
     work.add_finalizer(lambda: _scatter_into(tmp_out, outs))
     return rt.finish(work, spans, async_op, tmp_in.nbytes)
@@ -287,7 +286,8 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
     if rt.debug:
         _debug.check(rt, g, Op.GATHER, be, inp, root=root, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
-    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device) if outs else None
+    tmp = (Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
+           if outs else None)
     work = be.gather(g, tmp, inp, root)
     if outs:
         work.add_finalizer(lambda: _scatter_into(tmp, outs))
@@ -317,16 +317,14 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
     return rt.finish(be.scatter(g, out, tmp, root), spans, async_op, g.size * out.nbytes)
 
 
-_BARRIER_BUF = None
-
-
 def barrier(group=None, async_op: bool = False, backend=None):
-    global _BARRIER_BUF
-    if _BARRIER_BUF is None:
-        import numpy as np
+    """Selected with a host probe buffer, or a CUDA one when the backend named for the
+    call handles CUDA buffers only (nccl): see ``cuda.barrier_probe``."""
+    from .cuda import barrier_probe
 
-        _BARRIER_BUF = Buffer.from_numpy(np.zeros(1, dtype=np.uint8))
-    rt, g, be, _ = _prepare(Op.BARRIER, group, _BARRIER_BUF, backend)
+    rt = get_runtime()
+    probe = barrier_probe(rt, rt.group(group), backend)
+    rt, g, be, _ = _prepare(Op.BARRIER, group, probe, backend)
     if rt.debug:
-        _debug.check(rt, g, Op.BARRIER, be, _BARRIER_BUF)
+        _debug.check(rt, g, Op.BARRIER, be, probe)
     return rt.finish(be.barrier(g), [], async_op, 0)

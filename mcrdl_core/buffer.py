@@ -9,6 +9,11 @@ are known to be ordered, when the Buffer was made through DLPack with a consumer
 (the producer then made that stream wait for its data). None means "ask the owner":
 see ``mcrdl_core.cuda.producer_stream`` (torch's current stream for torch tensors,
 CuPy's current stream for CuPy arrays, the legacy default stream otherwise).
+
+``origin``: for a temporary a call made (``Buffer.empty(..., like=...)``: the
+concatenated list of a list-form collective, a staging copy of a non-contiguous input),
+the user's buffer it stands in for. Its framework tells whose *current* stream a
+blocking call orders the caller on (torch's for torch tensors).
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ class Buffer:
     """View of a tensor's memory. ``strides`` is in elements, None meaning row-major."""
 
     __slots__ = ("ptr", "shape", "strides", "dtype", "device", "readonly", "owner",
-                 "numel", "_host", "stream")
+                 "numel", "_host", "stream", "origin")
 
     def __init__(self, ptr: int, shape: tuple, dtype: _dt.DType, device: Device = CPU,
                  strides: tuple | None = None, readonly: bool = False, owner: object = None):
@@ -71,6 +76,7 @@ class Buffer:
         self.strides = None if strides is None else tuple(strides)
         self._host = None
         self.stream = None  # CUDA: stream the producer's data is ready on (None: ask owner)
+        self.origin = None  # temporaries: the user's buffer this one stands in for
 
     # --- construction -----------------------------------------------------------------
     @classmethod
@@ -104,16 +110,34 @@ class Buffer:
         return buf
 
     @classmethod
-    def empty(cls, shape, dtype, device: Device = CPU) -> "Buffer":
-        """Fresh contiguous memory (NumPy on the host, CuPy on a GPU)."""
+    def empty(cls, shape, dtype, device: Device = CPU, like: "Buffer | None" = None) -> "Buffer":
+        """Fresh contiguous memory (NumPy on the host, CuPy on a GPU).
+
+        ``like``: the user's buffer this temporary stands in for. On a GPU the memory is
+        then allocated on ``like``'s producer stream (CuPy's pool hands it out again only
+        to work ordered after that stream), the Buffer is stamped with that stream (its
+        writes are ordered there: whoever reads it waits on it) and records ``like`` as
+        its ``origin``."""
         dt = _dt.lookup(dtype)
         if device.kind == "cpu":
             return cls.from_numpy(np.empty(shape, dtype=dt.np_dtype))
         import cupy  # lazy: only for CUDA buffers
 
+        np_dt = np.uint16 if dt is _dt.bfloat16 else dt.np_dtype
         with cupy.cuda.Device(device.index):
-            arr = cupy.empty(shape, dtype=np.uint16 if dt is _dt.bfloat16 else dt.np_dtype)
-        return cls(arr.data.ptr, arr.shape, dt, device, None, False, arr)
+            if like is None or like.device != device:
+                arr, stream = cupy.empty(shape, dtype=np_dt), None
+            else:
+                from . import cuda
+
+                stream = cuda.producer_stream(like)
+                with cuda.stream(stream, device.index):
+                    arr = cupy.empty(shape, dtype=np_dt)
+        buf = cls(arr.data.ptr, arr.shape, dt, device, None, False, arr)
+        if stream is not None:
+            buf.stream = stream
+            buf.origin = like.origin if like.origin is not None else like
+        return buf
 
     # --- properties ---------------------------------------------------------------------
     @property
@@ -178,6 +202,7 @@ class Buffer:
         view = Buffer(self.ptr + offset * self.dtype.itemsize, (count,), self.dtype, self.device,
                       None, self.readonly, self)
         view.stream = self.stream
+        view.origin = self.origin
         return view
 
     def describe(self) -> str:

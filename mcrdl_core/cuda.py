@@ -22,6 +22,7 @@ Stream rules (enforced by the backends through these helpers):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -101,7 +102,10 @@ def _framework(obj) -> str:
 
 def current_stream(buf: Buffer) -> int:
     """The caller's current stream on ``buf``'s device, in the framework that owns it:
-    torch's for torch tensors, CuPy's for everything else."""
+    torch's for torch tensors, CuPy's for everything else. A temporary made for a call
+    (``Buffer.empty(..., like=user_buffer)``) answers for the user's buffer."""
+    if buf.origin is not None:
+        buf = buf.origin
     if _framework(root_owner(buf)) == "torch":
         torch = sys.modules["torch"]  # loaded already: the buffer is a torch tensor
         return torch.cuda.current_stream(buf.device.index).cuda_stream
@@ -115,12 +119,86 @@ def producer_stream(buf: Buffer) -> int:
     return buf.stream if buf.stream is not None else current_stream(buf)
 
 
+class _Handle:
+    """A raw stream handle offered through the CUDA stream protocol (what CuPy >= 14's
+    ``Stream.from_external`` takes)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+_WRAPPERS: dict = {}  # (handle, device) -> CuPy stream object
+_WRAPPERS_MAX = 4096  # a bound: a wrapper is only (handle, device), so a rebuild is harmless
+
+
 def stream(handle: int, device: int):
-    """A CuPy stream object for a raw handle (0: the legacy default stream)."""
+    """The CuPy stream object for a raw handle (0: the legacy default stream), one
+    cached wrapper per (handle, device). CuPy >= 14 wraps it with
+    ``Stream.from_external`` (``ExternalStream`` is deprecated there and warned on every
+    construction); older CuPy with ``ExternalStream``."""
+    key = (handle, device)
+    s = _WRAPPERS.get(key)
+    if s is not None:
+        return s
     cp = cupy()
     if handle == 0:
-        return cp.cuda.Stream.null
-    return cp.cuda.ExternalStream(handle, device)
+        s = cp.cuda.Stream.null
+    elif hasattr(cp.cuda.Stream, "from_external"):
+        s = cp.cuda.Stream.from_external(_Handle(handle))
+    else:
+        s = cp.cuda.ExternalStream(handle, device)
+    if len(_WRAPPERS) >= _WRAPPERS_MAX:
+        _WRAPPERS.clear()
+    _WRAPPERS[key] = s
+    return s
+
+
+_LASTING: dict = {}  # (device, slot) -> stream made by MCR-DL, never destroyed
+
+
+def lasting_stream(device: int, slot: int):
+    """A non-blocking CuPy stream on ``device`` that lives as long as the process.
+
+    Communication streams come from here: torch may record tensors on them
+    (``Tensor.record_stream``) and query them long after the communicator that used
+    them was destroyed, so they are never freed. ``slot`` (a group's index) gives each
+    group its own stream; a later communicator of the same slot reuses it."""
+    key = (device, slot)
+    s = _LASTING.get(key)
+    if s is None:
+        cp = cupy()
+        with cp.cuda.Device(device):
+            s = _LASTING[key] = cp.cuda.Stream(non_blocking=True)
+    return s
+
+
+def on_device(index: int):
+    """A context making CUDA device ``index`` current (CuPy's ``Device``)."""
+    return cupy().cuda.Device(index)
+
+
+def device_bytes(nbytes: int, device: int):
+    """``nbytes`` zeroed bytes of device memory on ``device`` (a CuPy array)."""
+    cp = cupy()
+    with cp.cuda.Device(device):
+        return cp.zeros(max(nbytes, 1), dtype=cp.uint8)
+
+
+def current_device() -> int:
+    """The calling thread's current CUDA device (torch and CuPy share it:
+    ``torch.cuda.set_device`` and ``cupy.cuda.Device(i).use()`` both set it)."""
+    return cupy().cuda.runtime.getDevice()
+
+
+def pci_bus_id(device: int) -> str:
+    """PCI bus id of CUDA device ``device`` ("0000:3b:00.0"): the GPU's identity on its
+    host, whatever CUDA_VISIBLE_DEVICES renumbered it to."""
+    return cupy().cuda.Device(device).pci_bus_id
 
 
 def record(handle: int, device: int):
@@ -141,6 +219,41 @@ def wait_on(waiter: int, streams, device: int) -> None:
             w.wait_event(record(h, device))
 
 
+def signal(source: int, waiters, device: int) -> None:
+    """Make each stream in ``waiters`` wait for the work enqueued so far on stream
+    ``source`` (one event; no host wait)."""
+    others = set(waiters) - {source}
+    if others:
+        ev = record(source, device)
+        for h in others:
+            stream(h, device).wait_event(ev)
+
+
+@contextlib.contextmanager
+def copies_into(targets, sources=(), after_current: bool = False):
+    """Context for CuPy copies that write ``targets`` (a list-form call's temporary, or
+    its user outputs). They run on the producer stream of ``targets[0]``, after the
+    work enqueued so far on the producer streams of ``sources`` (and on CuPy's current
+    stream if ``after_current``: where a waited NCCL op's finalizers run, ordered after
+    the op); at exit every other target's producer stream waits for the copies. Host
+    buffers: no context."""
+    first = targets[0]
+    if first.device.kind != "cuda":
+        yield
+        return
+    cp = cupy()
+    dev = first.device.index
+    with cp.cuda.Device(dev):
+        s = producer_stream(first)
+        before = [producer_stream(b) for b in sources]
+        if after_current:
+            before.append(cp.cuda.get_current_stream().ptr)
+        wait_on(s, before, dev)
+        with stream(s, dev):
+            yield
+        signal(s, [producer_stream(b) for b in targets[1:]], dev)
+
+
 def cuda_buffers(args) -> list:
     return [a for a in args if isinstance(a, Buffer) and a.device.kind == "cuda"]
 
@@ -152,6 +265,41 @@ def ready(engine, bufs, backend: str, op, group) -> None:
     works = [EventWork(backend, op, record(h, dev), group, desc="waiting for the producer stream")
              for h in {producer_stream(b) for b in bufs}]
     engine.wait(works)
+
+
+# --- barrier -------------------------------------------------------------------------
+_HOST_PROBE: list = []
+
+
+def barrier_probe(rt, group, backend: str | None) -> Buffer:
+    """The buffer a barrier is selected with (a barrier moves no data; selection needs a
+    device). A host buffer, unless the backend the call names -- ``backend``, else the
+    group's default (``init_process_group("nccl")``, ``new_group(backend=)``), else an
+    ``MCRDL_BACKEND`` override -- handles no host buffers (nccl): then a one-byte CUDA
+    buffer on the current device, metadata only (never read or written). An unknown or
+    unavailable name gets the host probe; selection then says why it cannot run."""
+    if backend is None:
+        backend = group.backend
+    name = backend if backend not in (None, "auto") else (
+        rt.override.get("barrier") or rt.override.get("*"))
+    if name is not None:
+        from .backend import backend_class
+        from .errors import McrdlError
+
+        try:
+            devices = backend_class(name).devices
+        except McrdlError:
+            devices = ("cpu",)
+        if "cpu" not in devices and rt.unavailable_reason(name) is None:
+            from . import dtypes
+            from .buffer import Device
+
+            return Buffer(0, (1,), dtypes.uint8, Device("cuda", current_device()))
+    if not _HOST_PROBE:
+        import numpy as np
+
+        _HOST_PROBE.append(Buffer.from_numpy(np.zeros(1, dtype=np.uint8)))
+    return _HOST_PROBE[0]
 
 
 # --- host staging ---------------------------------------------------------------------

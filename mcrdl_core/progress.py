@@ -34,6 +34,9 @@ DEFAULT_TIMEOUT_S = 300.0
 class ProgressEngine:
     def __init__(self):
         self.inflight: list = []
+        # works complete for their caller whose device side may still use their memory
+        # (an NCCL op the caller's stream was made to wait on): see defer()
+        self.pending: list = []
         self.rank = 0
         self.timeout = float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT_S))
         self.spin_s = float(os.environ.get("MCRDL_SPIN_US", 100)) * 1e-6
@@ -59,12 +62,36 @@ class ProgressEngine:
         except ValueError:
             pass
 
+    def defer(self, work) -> None:
+        """Hold ``work`` -- waited by its caller, but the GPU may still read or write its
+        buffers -- until ``work.release()`` says the device is done (it then lets the
+        buffers go). Polled here and from every progress loop."""
+        self.pending.append(work)
+        self.reap()
+
+    def reap(self) -> None:
+        """Release pending works oldest first, stopping at the first still running (one
+        stream completes in order: this stays O(1) per call). A ``release()`` that finds
+        an asynchronous error raises it here, once, naming its op."""
+        pending = self.pending
+        n = 0
+        try:
+            for w in pending:
+                n += 1
+                if not w.release():
+                    n -= 1
+                    break
+        finally:
+            del pending[:n]
+
     def backends_in_flight(self) -> set:
         return {w.backend for w in self.inflight}
 
     # --- polling ------------------------------------------------------------------------
     def progress(self) -> None:
         """Poll every in-flight work once, batched per work class."""
+        if self.pending:
+            self.reap()
         inflight = self.inflight
         if not inflight:
             return

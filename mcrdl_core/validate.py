@@ -26,17 +26,27 @@ def input(obj, what: str) -> Buffer:
     buf = as_buffer(obj)
     dtype(buf, what)
     if not buf.is_contiguous:
-        arr = buf.array()
-        xp = type(arr).__module__.split(".")[0]
-        if xp == "numpy":
-            import numpy as np
+        if buf.device.kind == "cuda":
+            return contiguous_cuda_copy(buf)
+        import numpy as np
 
-            copy = Buffer.from_numpy(np.ascontiguousarray(arr))
-        else:
-            copy = as_buffer(arr.copy())  # cupy: C-order copy
+        copy = Buffer.from_numpy(np.ascontiguousarray(buf.host()))
         copy.dtype = buf.dtype
         return copy
     return buf
+
+
+def contiguous_cuda_copy(buf: Buffer) -> Buffer:
+    """A contiguous copy of a strided CUDA buffer, made on its producer stream (after
+    the producer's pending writes, never on whatever stream CuPy happens to have
+    current), in memory allocated on that stream; the copy is stamped with it, so
+    whoever reads the copy waits there."""
+    tmp = Buffer.empty(buf.shape, buf.dtype, buf.device, like=buf)
+    from . import cuda
+
+    with cuda.copies_into([tmp], [buf]):
+        tmp.cuda()[...] = buf.cuda()
+    return tmp
 
 
 def dtype(buf: Buffer, what: str) -> None:
@@ -102,3 +112,14 @@ def splits(sizes, buf: Buffer, n: int, what: str) -> list[int]:
         raise InvalidArgumentError(f"{what}: split sizes {sizes} sum to {sum(sizes)} but dim 0 of "
                                    f"the tensor is {rows}; they must add up to it")
     return [s * per_row for s in sizes]
+
+
+def own_block(out_counts, in_counts, rank: int, what: str) -> None:
+    """All-to-all: the block a rank sends itself is the block it receives from itself,
+    so both split lists must give it the same element count (else the local copy would
+    overrun one buffer). Raised before anything is launched."""
+    if in_counts[rank] != out_counts[rank]:
+        raise InvalidArgumentError(
+            f"{what}: rank {rank} sends itself {in_counts[rank]} elements but expects "
+            f"{out_counts[rank]} from itself (input_split_sizes[{rank}] vs "
+            f"output_split_sizes[{rank}]); make the two split sizes of its own block equal")
