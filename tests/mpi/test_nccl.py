@@ -18,8 +18,9 @@ from mcrdl_backends.nccl import id_bytes, nccl_library, share_unique_id
 from mcrdl_core import cuda as mc_cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.buffer import Buffer, Device
-from mcrdl_core.errors import BackendUnavailableError
+from mcrdl_core.errors import BackendUnavailableError, InvalidArgumentError
 from mcrdl_core.ops import Op, ReduceOp
+from mcrdl_core.p2p import P2POp, batch_isend_irecv
 
 RT = core.get_runtime()
 BS = RT.bootstrap
@@ -90,6 +91,57 @@ def test_explicit_nccl_without_it_fails_before_sending():
     core.barrier()  # every rank is still in step
 
 
+# --- batched send/recv (item 23), on the host backends here and on NCCL with GPUs ------------
+def _ring_batch(backend, make, host):
+    """Every rank sends to both neighbours and receives from both in one batch, sends
+    listed first (one by one, that order deadlocks on NCCL). Checked against what
+    every rank can compute."""
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    n = 5
+    right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    rightward = make(np.arange(n, dtype=np.float32) + 10 * RANK + 1)
+    leftward = make(np.arange(n, dtype=np.float32) + 10 * RANK + 2)
+    from_left = make(np.zeros(n, dtype=np.float32))
+    from_right = make(np.zeros(n, dtype=np.float32))
+    works = batch_isend_irecv([P2POp("isend", rightward, right, tag=1),
+                               P2POp(core.isend, leftward, left, tag=2),
+                               P2POp("irecv", from_left, left, tag=1),
+                               P2POp(core.irecv, from_right, right, tag=2)], backend=backend)
+    assert len(works) == 4
+    for w in works:
+        w.wait()
+    np.testing.assert_array_equal(host(from_left), np.arange(n) + 10 * left + 1)
+    np.testing.assert_array_equal(host(from_right), np.arange(n) + 10 * right + 2)
+    if backend != "nccl":
+        assert works[2].result() == left and works[3].result() == right  # global ranks
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_batch_isend_irecv_ring_on_host_backends(backend):
+    _ring_batch(backend, lambda a: a, lambda a: a)
+
+
+def test_batch_isend_irecv_refuses_bad_batches_before_sending():
+    a = np.ones(3, dtype=np.float32)
+    with pytest.raises(InvalidArgumentError, match="op must be isend or irecv"):
+        P2POp("all_reduce", a, 0)
+    with pytest.raises(InvalidArgumentError, match="non-empty list of P2POp"):
+        batch_isend_irecv([])
+    sub = core.new_group(list(range(SIZE)))
+    with pytest.raises(InvalidArgumentError, match="same group"):
+        batch_isend_irecv([P2POp("isend", a, 0), P2POp("irecv", a.copy(), 0, group=sub)])
+    with pytest.raises(InvalidArgumentError, match=r"p2p_op_list\[0\].peer"):
+        batch_isend_irecv([P2POp("isend", a, SIZE + 3)], backend="mpi")
+    core.barrier()
+
+
+@pytest.mark.gpu
+def test_batch_isend_irecv_ring_on_nccl():
+    cp = _gpu_backend("nccl")
+    _ring_batch("nccl", cp.asarray, cp.asnumpy)
+
+
 # --- with GPUs (skipped here) --------------------------------------------------------------
 def _gpu_backend(backend):
     if GPU_REASON is not None:
@@ -138,12 +190,13 @@ def test_cuda_collectives_across_ranks(backend, dtype):
     core.broadcast(b(y), 0, backend=backend)
     np.testing.assert_allclose(host(y), every[0].astype(np.float64))
 
-    if SIZE > 1:
+    if SIZE > 1:  # a ring as one batch: send-then-recv one by one can deadlock on NCCL
         peer, src = (RANK + 1) % SIZE, (RANK - 1) % SIZE
         got = cp.zeros(n, dtype=x.dtype)
-        w = core.send(b(dev(mine)), peer, async_op=True, backend=backend)
-        core.recv(b(got), src, backend=backend)
-        w.wait()
+        works = batch_isend_irecv([P2POp("isend", b(dev(mine)), peer),
+                                   P2POp("irecv", b(got), src)], backend=backend)
+        for w in works:
+            w.wait()
         np.testing.assert_allclose(host(got), every[src].astype(np.float64))
 
 
