@@ -13,6 +13,8 @@ ranks; collectives are in place; ``async_op=True`` returns a Work with ``wait()`
 - non-contiguous *input* tensors are copied to contiguous ones instead of refused;
   outputs must be contiguous, as in torch.
 - ``gather_list``/``scatter_list`` on non-root ranks are ignored instead of refused.
+- ``compression=`` on all_reduce, all_gather(_into_tensor) and reduce_scatter(_tensor)
+  allows a lossy codec ("int8", "fp16@a2a", ...; docs/compression.md); off by default.
 """
 from __future__ import annotations
 
@@ -99,8 +101,9 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
     return _core.broadcast(_b(tensor), src, group, async_op, backend)
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None):
-    return _core.all_reduce(_b(tensor), op, group, async_op, backend)
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
+               compression=None):
+    return _core.all_reduce(_b(tensor), op, group, async_op, backend, compression)
 
 
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -108,25 +111,28 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
 
 
-def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None):
-    return _core.all_gather(_bs(tensor_list, "tensor_list"), _b(tensor), group, async_op, backend)
+def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None,
+               compression=None):
+    return _core.all_gather(_bs(tensor_list, "tensor_list"), _b(tensor), group, async_op, backend,
+                            compression)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
-                           backend=None):
+                           backend=None, compression=None):
     return _core.all_gather_into_tensor(_b(output_tensor), _b(input_tensor), group, async_op,
-                                        backend)
+                                        backend, compression)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
-                   backend=None):
+                   backend=None, compression=None):
     return _core.reduce_scatter(_b(output), _bs(input_list, "input_list"), op, group, async_op,
-                                backend)
+                                backend, compression)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
-                          backend=None):
-    return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend)
+                          backend=None, compression=None):
+    return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend,
+                                       compression)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,

@@ -114,6 +114,7 @@ class Identity(Codec):
 
     def __init__(self, storage):
         self.storage = np.dtype(storage)
+        self.bf16 = self.storage.name == "bfloat16"  # carried as uint16 bits (CuPy has no bf16)
         self.name = "none"
 
     def encoded_nbytes(self, n: int) -> int:
@@ -121,19 +122,17 @@ class Identity(Codec):
 
     def encode(self, x, out) -> None:
         n = x.shape[0]
-        dst = out[:n * self.storage.itemsize].view(self.storage)
-        if self.storage == np.dtype("uint16") and x.dtype != self.storage:
-            dst[...] = _bf16_bits(x, _xp(x))  # bfloat16 on the GPU is carried as uint16
+        if self.bf16:
+            out[:2 * n].view(np.uint16)[...] = _bf16_bits(x, _xp(x))
         else:
-            dst[...] = x
+            out[:n * self.storage.itemsize].view(self.storage)[...] = x
 
     def decode(self, enc, out) -> bool:
         n = out.shape[0]
-        src = enc[:n * self.storage.itemsize].view(self.storage)
-        if self.storage == np.dtype("uint16") and out.dtype != self.storage:
-            out[...] = _bf16_values(src, _xp(src), out.dtype)
+        if self.bf16:
+            out[...] = _bf16_values(enc[:2 * n].view(np.uint16), _xp(out), out.dtype)
         else:
-            out[...] = src
+            out[...] = enc[:n * self.storage.itemsize].view(self.storage)
         return True
 
 
@@ -341,9 +340,11 @@ class Int4(_IntQ):
 
 class ZFP(Codec):
     """zfp fixed-rate mode through zfpy (the seed paper's codec): RATE bits per value,
-    so the stream size is known from n alone: a 96-bit header plus ceil(n/4) blocks of
-    4*RATE bits, in 64-bit words. Layout: an 8-byte flag word (1: the input was not
-    finite and was not encoded), then the zfp stream. CPU only."""
+    so the stream size is bounded from n alone: a header of at most 148 bits (96 when
+    the mode fits zfp's short form) plus ceil(n/4) blocks of 4*RATE bits, in 64-bit
+    words; the slot reserves the bound. Layout: a uint32 flag (1: the input was not
+    finite and was not encoded), the uint32 stream length, then the zfp stream. CPU
+    only."""
 
     typical = {8: 5.4e-2, 16: 2.1e-4, 24: 8.2e-7}
     gpu_reason = ("zfpy runs on the CPU only and no Python binding of zfp's CUDA backend is "
@@ -356,15 +357,17 @@ class ZFP(Codec):
             raise UnsupportedError(f"codec 'zfp:{rate}' needs zfpy, which cannot be imported "
                                    f"({exc}); pip install 'mcr-dl[zfp]' or pick int8/fp16/bf16"
                                    ) from None
-        if not (isinstance(rate, int) and 1 <= rate <= 32):
+        if not (isinstance(rate, int) and 3 <= rate <= 32):
             raise InvalidArgumentError(f"zfp rate {rate!r} must be an integer number of bits per "
-                                       "value in 1..32 (e.g. 'zfp:16')")
+                                       "value in 3..32 (e.g. 'zfp:16'; zfpy 1.0.1 corrupts its "
+                                       "heap on 1-D arrays at rates 1 and 2)")
         self.rate = rate
         self.name = f"zfp:{rate}"
         self.typical_error = self.typical.get(rate)
 
     def stream_nbytes(self, n: int) -> int:
-        bits = 96 + -(-n // 4) * 4 * self.rate
+        """Upper bound (exact but for the header's form) of zfpy's stream, bytes."""
+        bits = 148 + -(-n // 4) * 4 * self.rate
         return -(-bits // 64) * 8
 
     def encoded_nbytes(self, n: int) -> int:
@@ -373,24 +376,25 @@ class ZFP(Codec):
     def encode(self, x, out) -> None:
         import zfpy
 
-        flag = out[:8].view(np.uint64)
+        head = out[:8].view(np.uint32)
         if not np.isfinite(x).all():
-            flag[0] = 1
+            head[:] = (1, 0)
             return
-        flag[0] = 0
         stream = zfpy.compress_numpy(np.ascontiguousarray(x, dtype=np.float32), rate=self.rate)
         size = self.stream_nbytes(x.shape[0])
-        if len(stream) != size:
+        if len(stream) > size:
             raise RuntimeError(f"zfp produced {len(stream)} bytes for {x.shape[0]} values at rate "
-                               f"{self.rate}, {size} expected: this zfpy build does not follow "
-                               "the fixed-rate layout; use another codec")
-        out[8:8 + size] = np.frombuffer(stream, np.uint8)
+                               f"{self.rate}, at most {size} expected: this zfpy build does not "
+                               "follow the fixed-rate layout; use another codec")
+        head[:] = (0, len(stream))
+        out[8:8 + len(stream)] = np.frombuffer(stream, np.uint8)
 
     def decode(self, enc, out) -> bool:
         import zfpy
 
-        if int(enc[:8].view(np.uint64)[0]):
+        flag, size = (int(v) for v in enc[:8].view(np.uint32))
+        if flag:
             out[...] = np.nan
             return False
-        out[...] = zfpy.decompress_numpy(enc[8:8 + self.stream_nbytes(out.shape[0])].tobytes())
+        out[...] = zfpy.decompress_numpy(enc[8:8 + size].tobytes())
         return True

@@ -140,19 +140,16 @@ def work_dtype(dtype: _dt.DType) -> np.dtype:
 def make_codec(name: str, dtype_name: str = "float32") -> _c.Codec:
     """The codec called ``name`` (see the module docstring) for data of ``dtype_name``."""
     kind, _, arg = name.partition(":")
-    try:
-        if kind == "none":
-            dt = _dt.lookup(dtype_name)
-            return _c.Identity(dt.np_dtype)
-        if kind == "bf16" and not arg:
-            return _c.BF16()
-        if kind in ("fp16", "int8", "int4"):
-            cls = {"fp16": _c.FP16, "int8": _c.Int8, "int4": _c.Int4}[kind]
-            return cls(int(arg)) if arg else cls()
-        if kind == "zfp" and arg:
-            return _c.ZFP(int(arg))
-    except ValueError:
-        pass
+    number = int(arg) if arg.isdigit() else None
+    if kind == "none" and not arg:
+        return _c.Identity(_dt.lookup(dtype_name).np_dtype)
+    if kind == "bf16" and not arg:
+        return _c.BF16()
+    if kind in ("fp16", "int8", "int4") and (number is not None or not arg):
+        cls = {"fp16": _c.FP16, "int8": _c.Int8, "int4": _c.Int4}[kind]
+        return cls(number) if arg else cls()
+    if kind == "zfp" and number is not None:
+        return _c.ZFP(number)
     raise InvalidArgumentError(f"unknown codec {name!r}; use int8[:BLOCK], int4[:BLOCK], "
                                "fp16[:BLOCK], bf16, zfp:RATE or none")
 
