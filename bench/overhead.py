@@ -35,8 +35,8 @@ def main():
     rt = mcrdl_core.get_runtime()
     n = dist.get_world_size()
     table = TuningTable({"schema": SCHEMA, "entries": [
-        {"op": "all_reduce", "world_size": n, "device": "cpu", "dtype_class": "float",
-         "ranges": [[None, "mpi"]]}]}, "<overhead benchmark>")
+        {"op": "all_reduce", "world_size": n, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
+         "dtype_class": "float", "ranges": [[None, "mpi"]]}]}, "<overhead benchmark>")
     raw = np.ones(2, dtype=np.float32)
     t = torch.ones(2)
     paths = {

@@ -16,6 +16,12 @@ set; under torchrun on store keys private to the rank set.
 
 ``local_size`` is the number of ranks on this rank's host (NCCL needs a GPU per rank),
 ``local_rank`` this rank's position among them.
+
+Topology: ``host_of`` names the host of every rank (MPI's processor name, i.e. the host
+name; under torchrun the host names gathered through the store), ``hosts`` lists the
+distinct hosts in rank order, ``hosts_in(ranks)`` counts the hosts a set of ranks spans
+(tuning tables are keyed by ranks and hosts). On an emulated cluster (``mcrdl cluster``)
+``cluster_info()`` returns what its environment says (name, link rate, delay).
 """
 from __future__ import annotations
 
@@ -53,6 +59,41 @@ class Bootstrap:
     local_size = 1  # ranks on this rank's host
     local_rank = 0  # this rank's position among them (a GPU index: local_rank % devices)
     mpi_reason = "mpi4py is not installed (pip install 'mcr-dl[mpich]')"
+    host_of: tuple = ()  # host name of every rank, by rank
+
+    def _set_hosts(self, names) -> None:
+        """Topology from every rank's host name (index: rank)."""
+        self.host_of = tuple(names)
+        self.all_local = len(set(names)) == 1
+        self.local_size = names.count(names[self.rank])
+        self.local_rank = names[:self.rank].count(names[self.rank])
+        self._spans: dict = {}
+
+    @property
+    def hosts(self) -> list[str]:
+        """The distinct hosts, in the order of their lowest rank."""
+        return list(dict.fromkeys(self.host_of or (self.hostname(),)))
+
+    def hosts_in(self, ranks) -> int:
+        """How many hosts the global ``ranks`` run on (memoized per rank tuple)."""
+        if not self.host_of:
+            return 1
+        key = tuple(ranks)
+        n = self._spans.get(key)
+        if n is None:
+            n = self._spans[key] = len({self.host_of[r] for r in key})
+        return n
+
+    def topology(self) -> str:
+        """E.g. "2 hosts x 2 ranks (h0: ranks 0-1; h1: ranks 2-3)"."""
+        by_host: dict = {}
+        for r, h in enumerate(self.host_of or (self.hostname(),)):
+            by_host.setdefault(h, []).append(r)
+        counts = {len(v) for v in by_host.values()}
+        shape = (f"{len(by_host)} host{'s' if len(by_host) > 1 else ''} x {counts.pop()} "
+                 f"rank{'s' if self.size > len(by_host) else ''}" if len(counts) == 1
+                 else f"{len(by_host)} hosts, {self.size} ranks")
+        return shape + " (" + "; ".join(f"{h}: ranks {_span(v)}" for h, v in by_host.items()) + ")"
 
     def bcast(self, obj, root: int = 0):
         return obj
@@ -84,10 +125,7 @@ class MPIBootstrap(Bootstrap):
         self.comm = MPI.COMM_WORLD.Dup()  # private: set-up traffic never meets user tags
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        names = self.comm.allgather(MPI.Get_processor_name())
-        self.all_local = len(set(names)) == 1
-        self.local_size = names.count(names[self.rank])
-        self.local_rank = names[:self.rank].count(names[self.rank])
+        self._set_hosts(self.comm.allgather(MPI.Get_processor_name()))
         self._subs: dict = {}  # rank tuple -> sub-communicator of self.comm
 
     def bcast(self, obj, root: int = 0):
@@ -133,6 +171,7 @@ class EnvBootstrap(Bootstrap):
         self.store = store_factory(self)
         self._seq = 0
         self._group_seq: dict = {}
+        self._set_hosts(self.allgather(socket.gethostname()))
 
     def _key(self) -> str:
         self._seq += 1
@@ -166,6 +205,24 @@ class EnvBootstrap(Bootstrap):
         key = self._key()
         self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
         return [pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.size)]
+
+
+def _span(ranks: list) -> str:
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def cluster_info() -> dict | None:
+    """What an emulated cluster's environment says (``mcrdl cluster``), else None:
+    {"name", "host", "hosts", "ranks_per_host", "rate", "delay", "machine"}."""
+    name = os.environ.get("MCRDL_CLUSTER")
+    if not name:
+        return None
+    get = lambda k: os.environ.get(f"MCRDL_CLUSTER_{k.upper()}")  # noqa: E731
+    return {"name": name, "host": get("host"), "hosts": (get("hosts") or "").split(","),
+            "ranks_per_host": get("ranks_per_host"), "rate": get("rate"),
+            "delay": get("delay"), "machine": get("machine")}
 
 
 def create() -> Bootstrap:

@@ -4,8 +4,11 @@
     mpiexec -n 2 mcrdl bench --max-bytes 1M     # latency/bandwidth per backend and auto
     mcrdl info                                  # backends, bootstrap, table in force
     mpiexec -n 2 mcrdl tune --device cuda       # CUDA buffers (one GPU per rank for nccl)
+    mcrdl cluster run --hosts 2 --rate 1gbit -- mcrdl bench --ops all_gather --sizes 16M
+                                                # on an emulated 2-host cluster (root)
 
-Only rank 0 prints and writes files.
+Only rank 0 prints and writes files. ``mcrdl cluster`` runs without a launcher (it is
+one): see mcrdl_core/cluster/command.py.
 """
 from __future__ import annotations
 
@@ -103,7 +106,8 @@ class _Progress:
 
 
 def _run_sweep(rt, args, backends, title):
-    sizes = _sweep.sizes_between(args.min_bytes, args.max_bytes)
+    sizes = (sorted(set(args.sizes)) if args.sizes
+             else _sweep.sizes_between(args.min_bytes, args.max_bytes))
     total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
     bar = _Progress(rt.rank, total, title)
     try:
@@ -127,11 +131,14 @@ def cmd_tune(args) -> int:
             existing = TuningTable.load(path).data
         except Exception as exc:  # a bad old file is replaced, and we say so
             logging.getLogger("mcrdl.tune").warning("replacing unreadable table: %s", exc)
-    results = {(op, rt.world_size, args.device, "float"): pts for op, pts in res.items()}
-    table = _tuning.merge_table(existing, _tuning.build_entries(results), _tuning.fingerprint())
+    hosts = len(rt.bootstrap.hosts)
+    results = {(op, rt.world_size, hosts, args.device, "float"): pts for op, pts in res.items()}
+    table = _tuning.merge_table(existing, _tuning.build_entries(results),
+                                _tuning.fingerprint(rt.bootstrap.hosts))
     _tuning.write_table(table, path)
-    print(f"\nCrossover table for {rt.world_size} ranks (message size per rank -> backend):")
-    for line in _tuning.crossover_lines(TuningTable(table, path), rt.world_size):
+    print(f"\nCrossover table for {rt.world_size} ranks on {hosts} host(s) "
+          "(message size per rank -> backend):")
+    for line in _tuning.crossover_lines(TuningTable(table, path), rt.world_size, hosts):
         print("  " + line)
     print(f"Tuning table written to {path}")
     return 0
@@ -271,8 +278,14 @@ def cmd_info(args) -> int:
     if rt.rank != 0:
         return 0
     bs = rt.bootstrap
-    print(f"bootstrap: {bs.kind}; world size {rt.world_size}; all ranks on one host: "
-          f"{bs.all_local}")
+    print(f"bootstrap: {bs.kind}; world size {rt.world_size}; topology: {bs.topology()}")
+    from .bootstrap import cluster_info
+
+    cl = cluster_info()
+    if cl:
+        print(f"emulated cluster {cl['name']} on machine {cl['machine']}: hosts "
+              f"{', '.join(cl['hosts'])}, {cl['ranks_per_host']} rank(s) per host, links "
+              f"{cl['rate']}, delay {cl['delay']} (mcrdl cluster)")
     print("backends:")
     for name, reason in rt.available_backends().items():
         print(f"  {name:5s} {'available' if reason is None else 'unavailable: ' + reason}")
@@ -291,15 +304,21 @@ def cmd_info(args) -> int:
     print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
     path = _tuning.default_path()
     if rt.table is not None:
-        print(f"tuning table in force: {rt.table.path}")
-        lines = _tuning.crossover_lines(rt.table, rt.world_size)
-        print(f"  entries for {rt.world_size} ranks:" if lines else
-              f"  no entries for {rt.world_size} ranks: every lookup falls back to the policy")
+        hosts = len(bs.hosts)
+        where = f"{rt.world_size} ranks on {hosts} host(s)"
+        print(f"tuning table in force: {rt.table.path} ({rt.table.data['schema']}"
+              + (": an older table, its entries count as one host)"
+                 if rt.table.data["schema"] != _tuning.SCHEMA else ")"))
+        lines = _tuning.crossover_lines(rt.table, rt.world_size, hosts)
+        print(f"  entries for {where} (the world group):" if lines else
+              f"  no entries for {where}: every lookup on the world falls back to the policy")
         for line in lines:
             print("    " + line)
-        others = sorted({e["world_size"] for e in rt.table.data["entries"]} - {rt.world_size})
+        others = sorted({(e["world_size"], e.get("hosts", 1)) for e in rt.table.data["entries"]}
+                        - {(rt.world_size, hosts)})
         if others:
-            print(f"  also holds world sizes {others} (not used at this size)")
+            print("  also holds " + ", ".join(f"{n} ranks on {h} host(s)" for n, h in others)
+                  + " (used by groups of that shape)")
     elif os.path.exists(path):
         print(f"tuning table: {path} exists but is not in force (see the warning above); "
               "selection uses the policy")
@@ -324,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--min-bytes", type=parse_bytes, default=4, help="smallest size (4)")
         p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes(hi),
                        help=f"largest size, powers of two in between ({hi})")
+        p.add_argument("--sizes", nargs="+", type=parse_bytes, metavar="SIZE",
+                       help="exactly these sizes (e.g. --sizes 64K 16M), instead of the "
+                            "powers of two from --min-bytes to --max-bytes")
         p.add_argument("--ops", nargs="+", default=ops, choices=ops)
         p.add_argument("--backends", nargs="+", help="default: every available backend")
         p.add_argument("--trials-scale", type=float, default=1.0,
@@ -341,12 +363,23 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
     p = sub.add_parser("info", help="backends, bootstrap and the tuning table in force")
     p.set_defaults(fn=cmd_info)
+    from .cluster.command import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
     return ap
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.cmd == "cluster":  # its errors are the user's to act on: a message, no traceback
+        from .errors import McrdlError
+
+        try:
+            return args.fn(args)
+        except McrdlError as exc:
+            print(f"mcrdl cluster: {exc}", file=sys.stderr)
+            return 2
     return args.fn(args)
 
 

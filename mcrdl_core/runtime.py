@@ -97,10 +97,10 @@ class Runtime:
         device, dtype = buf.device, buf.dtype
         explicit = backend not in (None, "auto")
         # memo: explicit and policy choices by (backend, op, device, dtype, reduce op);
-        # table choices also by group size and message size (bounded)
+        # table choices also by group (its size and hosts) and message size (bounded)
         key = (backend, op, device.kind, dtype, reduce_op)
         if self.table is not None and not explicit:
-            key += (group.size, nbytes)
+            key += (group.id, nbytes)
         be = self._choice.get(key)
         if be is not None:
             return be
@@ -114,7 +114,7 @@ class Runtime:
         else:
             if self.table is not None:
                 hit = self.table.lookup(op.value, group.size, device.kind, dtype_class(dtype),
-                                        nbytes)
+                                        nbytes, self.bootstrap.hosts_in(group.ranks))
                 if hit is not None and self.unavailable_reason(hit) is None:
                     cand = self.backend(hit)
                     if cand.unsupported_reason(op, device, dtype, reduce_op) is None:

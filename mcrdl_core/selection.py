@@ -2,15 +2,20 @@
 
 Tuning table (JSON, never pickle)::
 
-    {"schema": "mcrdl.tuning/1",
-     "machine": {"host": "...", ...},                  # informational
-     "entries": [{"op": "all_reduce", "world_size": 2, "device": "cpu",
+    {"schema": "mcrdl.tuning/2",
+     "machine": {"host": "...", "hosts": [...], ...},  # where it was measured
+     "entries": [{"op": "all_reduce", "world_size": 4, "hosts": 2, "device": "cpu",
                   "dtype_class": "float",
                   "ranges": [[4096, "mpi"], [null, "gloo"]]}]}
 
-``ranges`` is sorted by ``max_bytes``; a message of ``b`` bytes takes the first range
-with ``b <= max_bytes`` (``null`` = no upper bound), found by bisect. A lookup miss
-(other op, world size, device or a size past the last bound) falls back to the policy.
+Entries are keyed by op, ranks (``world_size``: the group's size) and ``hosts`` (how
+many hosts those ranks span: 4 ranks on one host and 4 ranks on 2 hosts are different
+machines to a backend), device and dtype class. ``ranges`` is sorted by
+``max_bytes``; a message of ``b`` bytes takes the first range with ``b <= max_bytes``
+(``null`` = no upper bound), found by bisect. A lookup miss (other op, ranks, hosts,
+device or a size past the last bound) falls back to the policy. Tables of schema 1
+(before entries knew hosts; every one was measured on a single host) are still read:
+their entries count as ``"hosts": 1``; ``mcrdl tune`` rewrites them as schema 2.
 
 The message size used for lookup is the per-rank payload, the same on every rank so
 that every rank picks the same backend: the buffer for all_reduce, broadcast, reduce,
@@ -34,12 +39,16 @@ import bisect
 import json
 import logging
 import os
+import platform
+import socket
+from importlib import metadata
 
 from .errors import TableError
 
 log = logging.getLogger("mcrdl.selection")
 
-SCHEMA = "mcrdl.tuning/1"
+SCHEMA = "mcrdl.tuning/2"
+SCHEMA_V1 = "mcrdl.tuning/1"  # read (entries without "hosts": one host), never written
 POLICY = {"cuda": ("nccl", "mpi", "gloo"), "cpu": ("mpi", "gloo")}
 
 
@@ -60,8 +69,10 @@ class TuningTable:
         d = self.data
         if not isinstance(d, dict):
             self._fail("top level must be a JSON object")
-        if d.get("schema") != SCHEMA:
-            self._fail(f"schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+        if d.get("schema") not in (SCHEMA, SCHEMA_V1):
+            self._fail(f"schema is {d.get('schema')!r}, expected {SCHEMA!r} (or the older "
+                       f"{SCHEMA_V1!r})")
+        v1 = d["schema"] == SCHEMA_V1
         entries = d.get("entries")
         if not isinstance(entries, list):
             self._fail("'entries' must be a list")
@@ -73,6 +84,10 @@ class TuningTable:
                            ("dtype_class", str), ("ranges", list)):
                 if not isinstance(e.get(k), typ):
                     self._fail(f"{where}: field {k!r} missing or not a {typ.__name__}")
+            hosts = 1 if v1 else e.get("hosts")
+            if not isinstance(hosts, int) or not 1 <= hosts <= max(e["world_size"], 1):
+                self._fail(f"{where}: field 'hosts' missing or not a host count between 1 "
+                           f"and its world_size")
             maxes, names = [], []
             for j, r in enumerate(e["ranges"]):
                 if (not isinstance(r, list) or len(r) != 2 or not isinstance(r[1], str)
@@ -84,7 +99,7 @@ class TuningTable:
                 names.append(r[1])
             if not maxes:
                 self._fail(f"{where}: no ranges")
-            key = (e["op"], e["world_size"], e["device"], e["dtype_class"])
+            key = (e["op"], e["world_size"], hosts, e["device"], e["dtype_class"])
             bounds = [m if m is not None else float("inf") for m in maxes]
             self.index[key] = (bounds, names)
 
@@ -101,14 +116,15 @@ class TuningTable:
         return cls(data, path)
 
     def lookup(self, op: str, world_size: int, device: str, dtype_class: str,
-               nbytes: int | None) -> str | None:
-        """Backend name, or None on a miss. ``nbytes=None`` takes the largest range. A
-        table tuned for one dtype class serves the other when it has no entry of its own
-        (moving bytes costs the same; barrier is keyed "int")."""
-        hit = self.index.get((op, world_size, device, dtype_class))
+               nbytes: int | None, hosts: int = 1) -> str | None:
+        """Backend name, or None on a miss, for ``world_size`` ranks on ``hosts`` hosts.
+        ``nbytes=None`` takes the largest range. A table tuned for one dtype class serves
+        the other when it has no entry of its own (moving bytes costs the same; barrier
+        is keyed "int")."""
+        hit = self.index.get((op, world_size, hosts, device, dtype_class))
         if hit is None:
             other = "int" if dtype_class == "float" else "float"
-            hit = self.index.get((op, world_size, device, other))
+            hit = self.index.get((op, world_size, hosts, device, other))
         if hit is None:
             return None
         bounds, names = hit
@@ -137,11 +153,9 @@ def parse_override(text: str | None) -> dict:
 
 def table_from_env() -> TuningTable | None:
     """The table in force at start-up: MCRDL_TUNING_TABLE if set, else the default
-    location if a file is there (see tuning.default_path). A malformed file, or one
+    location if a file is there (``default_path``). A malformed file, or one
     measured on another machine, is warned about (naming the file) and not used: the
     run continues on the policy. ``MCRDL_TUNING_TABLE=none`` disables tables."""
-    from .tuning import default_path, fingerprint, machine_differences
-
     explicit = os.environ.get("MCRDL_TUNING_TABLE")
     if explicit and explicit.lower() == "none":
         return None
@@ -160,3 +174,58 @@ def table_from_env() -> TuningTable | None:
                     "here (mcrdl tune).", path, ", ".join(diff))
         return None
     return table
+
+
+# --- where a table belongs ----------------------------------------------------------------
+def default_path() -> str:
+    """$MCRDL_TUNING_TABLE, else $XDG_CACHE_HOME/mcrdl/tuning.json (~/.cache/...)."""
+    if os.environ.get("MCRDL_TUNING_TABLE"):
+        return os.environ["MCRDL_TUNING_TABLE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mcrdl", "tuning.json")
+
+
+def machine_name() -> str:
+    """This machine's name: the host name, except on an emulated cluster, whose hosts
+    are all the one real machine (``MCRDL_CLUSTER_MACHINE``, set by ``mcrdl cluster``)."""
+    return os.environ.get("MCRDL_CLUSTER_MACHINE") or socket.gethostname()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fingerprint(hosts=None) -> dict:
+    """What makes a table valid: machine, CPU model, core count, library versions; with
+    ``hosts`` (the hosts of the job that measured it) also those, so that every node of
+    a real multi-host job accepts the table its rank 0 wrote."""
+    fp = {"host": machine_name(), "cpu": _cpu_model(), "cores": os.cpu_count(),
+          "mpich": _version("mpich"), "mpi4py": _version("mpi4py"), "torch": _version("torch")}
+    if hosts and list(hosts) != [fp["host"]]:
+        fp["hosts"] = sorted(set(hosts))
+    return fp
+
+
+def machine_differences(table_machine: dict, here: dict) -> list[str]:
+    """Fields of ``here`` (this machine's fingerprint) that do not fit the machine a
+    table was measured on (empty if the table fits). The host fits when it is the
+    table's host or one of the hosts of the job that measured it."""
+    diff = [k for k in ("cpu", "cores", "mpich", "torch") if table_machine.get(k) != here.get(k)]
+    if here.get("host") != table_machine.get("host") and \
+            here.get("host") not in table_machine.get("hosts", ()):
+        diff.insert(0, "host")
+    return diff

@@ -8,6 +8,7 @@ import pytest
 from mcrdl_core import tuning
 from mcrdl_core.cli import parse_bytes
 from mcrdl_core.logger import CommLogger, bandwidths
+from mcrdl_core.errors import TableError
 from mcrdl_core.selection import TuningTable, table_from_env
 
 US = 1e-6
@@ -19,9 +20,9 @@ def synthetic():
     for s in (4, 256, 1024, 2048, 4096, 8192, 16384):
         gloo_wins = 2048 <= s <= 8192
         pts[s] = {"mpi": (20 if not gloo_wins else 90) * US, "gloo": (50 if gloo_wins else 400) * US}
-    return {("all_reduce", 2, "cpu", "float"): pts,
-            ("send_recv", 2, "cpu", "float"): {4: {"mpi": 10 * US, "gloo": 300 * US}},
-            ("barrier", 2, "cpu", "float"): {0: {"mpi": 5 * US, "gloo": 200 * US}}}
+    return {("all_reduce", 2, 1, "cpu", "float"): pts,
+            ("send_recv", 2, 1, "cpu", "float"): {4: {"mpi": 10 * US, "gloo": 300 * US}},
+            ("barrier", 2, 1, "cpu", "float"): {0: {"mpi": 5 * US, "gloo": 200 * US}}}
 
 
 def test_build_and_merge_ranges():
@@ -40,11 +41,11 @@ def test_build_and_merge_ranges():
 def test_merge_keeps_other_world_sizes_and_replaces_same_key():
     fp = tuning.fingerprint()
     first = tuning.merge_table(None, tuning.build_entries(synthetic()), fp)
-    three = {("all_reduce", 3, "cpu", "float"): {4: {"mpi": 9 * US, "gloo": 1 * US}}}
+    three = {("all_reduce", 3, 1, "cpu", "float"): {4: {"mpi": 9 * US, "gloo": 1 * US}}}
     both = tuning.merge_table(first, tuning.build_entries(three), fp)
     keys = {(e["op"], e["world_size"]) for e in both["entries"]}
     assert ("all_reduce", 2) in keys and ("all_reduce", 3) in keys
-    again = {("all_reduce", 2, "cpu", "float"): {4: {"mpi": 9 * US, "gloo": 1 * US}}}
+    again = {("all_reduce", 2, 1, "cpu", "float"): {4: {"mpi": 9 * US, "gloo": 1 * US}}}
     replaced = tuning.merge_table(both, tuning.build_entries(again), fp)
     ar2 = [e for e in replaced["entries"] if (e["op"], e["world_size"]) == ("all_reduce", 2)]
     assert len(ar2) == 1 and ar2[0]["ranges"] == [[None, "gloo"]]
@@ -59,7 +60,7 @@ def test_write_reload_and_crossover(tmp_path):
     tuning.write_table(table, str(path))
     loaded = TuningTable.load(str(path))
     lines = tuning.crossover_lines(loaded, 2)
-    assert any("all_reduce" in ln and "0 B–1 KiB -> mpi, 1025 B–8 KiB -> gloo, 8193 B–inf -> mpi"
+    assert any("all_reduce" in ln and "hosts=1" in ln and "0 B–1 KiB -> mpi, 1025 B–8 KiB -> gloo, 8193 B–inf -> mpi"
                in ln for ln in lines), lines
     assert not list(path.parent.glob("*.tmp*"))
 
@@ -80,6 +81,61 @@ def test_foreign_or_bad_table_from_env_warns_and_falls_back(tmp_path, monkeypatc
     assert str(p) in caplog.text and "not valid JSON" in caplog.text
     monkeypatch.setenv("MCRDL_TUNING_TABLE", "none")
     assert table_from_env() is None
+
+
+def test_entries_are_keyed_by_ranks_and_hosts():
+    """4 ranks on one host and 4 ranks on 2 hosts are different entries: a lookup for
+    one never takes the other's backend."""
+    fp = tuning.fingerprint()
+    res = {("all_gather", 4, 1, "cpu", "float"): {1 << 20: {"mpi": 1 * US, "gloo": 9 * US}},
+           ("all_gather", 4, 2, "cpu", "float"): {1 << 20: {"mpi": 9 * US, "gloo": 1 * US}}}
+    t = TuningTable(tuning.merge_table(None, tuning.build_entries(res), fp))
+    assert t.data["schema"] == "mcrdl.tuning/2"
+    assert t.lookup("all_gather", 4, "cpu", "float", 1 << 20) == "mpi"  # hosts=1 by default
+    assert t.lookup("all_gather", 4, "cpu", "float", 1 << 20, hosts=1) == "mpi"
+    assert t.lookup("all_gather", 4, "cpu", "float", 1 << 20, hosts=2) == "gloo"
+    assert t.lookup("all_gather", 4, "cpu", "float", 1 << 20, hosts=4) is None  # a miss
+    assert [ln.split(":")[0].split()[1:3] for ln in tuning.crossover_lines(t, 4, 2)] == \
+           [["n=4", "hosts=2"]]
+    # re-tuning the 2-host shape keeps the 1-host entry
+    again = {("all_gather", 4, 2, "cpu", "float"): {1 << 20: {"mpi": 1 * US, "gloo": 9 * US}}}
+    t2 = TuningTable(tuning.merge_table(t.data, tuning.build_entries(again), fp))
+    assert len(t2.data["entries"]) == 2
+    assert t2.lookup("all_gather", 4, "cpu", "float", 1 << 20, hosts=2) == "mpi"
+    bad = dict(t.data, entries=[dict(t.data["entries"][0], hosts=5)])  # 5 hosts, 4 ranks
+    with pytest.raises(TableError, match="hosts"):
+        TuningTable(bad)
+    del bad["entries"][0]["hosts"]
+    with pytest.raises(TableError, match="hosts"):
+        TuningTable(bad)
+
+
+def test_schema_1_tables_are_read_as_one_host_and_rewritten_as_schema_2():
+    v1 = {"schema": "mcrdl.tuning/1", "machine": tuning.fingerprint(),
+          "entries": [{"op": "all_reduce", "world_size": 2, "device": "cpu",
+                       "dtype_class": "float", "ranges": [[None, "gloo"]]}]}
+    t = TuningTable(v1)
+    assert t.lookup("all_reduce", 2, "cpu", "float", 8) == "gloo"
+    assert t.lookup("all_reduce", 2, "cpu", "float", 8, hosts=2) is None
+    two = {("all_reduce", 2, 2, "cpu", "float"): {4: {"mpi": 1 * US, "gloo": 9 * US}}}
+    merged = tuning.merge_table(v1, tuning.build_entries(two), tuning.fingerprint())
+    assert merged["schema"] == "mcrdl.tuning/2"
+    assert sorted((e["hosts"], e["ranges"][0][1]) for e in merged["entries"]) == \
+           [(1, "gloo"), (2, "mpi")]
+    with pytest.raises(TableError, match="mcrdl.tuning/2"):
+        TuningTable(dict(v1, schema="mcrdl.tuning/9"))
+
+
+def test_multi_host_table_fits_every_host_of_the_job(monkeypatch):
+    """rank 0 writes the table of a job on hosts a and b: host b accepts it, host c
+    does not; on an emulated cluster every host is the one real machine."""
+    written = tuning.fingerprint(["node-a", "node-b"])
+    assert written["hosts"] == ["node-a", "node-b"]
+    here = dict(tuning.fingerprint(), host="node-b")
+    assert tuning.machine_differences(written, here) == []
+    assert tuning.machine_differences(written, dict(here, host="node-c")) == ["host"]
+    monkeypatch.setenv("MCRDL_CLUSTER_MACHINE", "the-real-machine")
+    assert tuning.fingerprint(["h0", "h1"])["host"] == "the-real-machine"
 
 
 def test_default_table_path(monkeypatch, tmp_path):
