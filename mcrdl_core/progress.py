@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from .errors import CommTimeoutError
@@ -34,6 +35,9 @@ DEFAULT_TIMEOUT_S = 300.0
 class ProgressEngine:
     def __init__(self):
         self.inflight: list = []
+        # held by every wait and by any other thread that polls (mcrdl_torch's progress
+        # thread): the engine and the libraries' requests are touched by one thread at a time
+        self.lock = threading.RLock()
         # works complete for their caller whose device side may still use their memory
         # (an NCCL op the caller's stream was made to wait on): see defer()
         self.pending: list = []
@@ -110,6 +114,10 @@ class ProgressEngine:
 
     def wait(self, works, timeout: float | None = None) -> None:
         """Drive all backends until every work in ``works`` is complete."""
+        with self.lock:
+            self._wait(works, timeout)
+
+    def _wait(self, works, timeout: float | None) -> None:
         if len(works) == 1 and works[0].test():  # fast path: done at the first look
             return
         pending = [w for w in works if not w._done]

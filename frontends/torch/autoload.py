@@ -1,0 +1,61 @@
+"""Registers the "mcrdl" torch.distributed backend when torch is imported.
+
+pyproject.toml names :func:`register` as an entry point of the ``torch.backends`` group;
+torch calls every such entry point at the end of ``import torch`` (unless
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``) and turns any exception into a failed
+``import torch``. So this module never raises and does nothing heavy: it registers a
+creator that imports the process group only when a group is created, and wraps
+torch's ``env://`` rendezvous so that ``init_process_group`` also works under
+``mpiexec`` (only when ``RANK`` is unset and an MPI launcher started the process; the
+variables then come from MPI, see ``mcrdl_torch.run.mpi_env``). Errors are logged to
+``mcrdl.torch.autoload`` at debug level.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("mcrdl.torch.autoload")
+
+_MPI_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def _create(dist_opts, backend_options=None):
+    from .process_group import create
+
+    return create(dist_opts, backend_options)
+
+
+def _wrap_env_rendezvous(rdzv) -> None:
+    handlers = getattr(rdzv, "_rendezvous_handlers", None)
+    original = handlers.get("env") if handlers is not None else None
+    if original is None or getattr(original, "_mcrdl", False):
+        return
+
+    def env_or_mpi(url, *args, **kwargs):
+        if "RANK" not in os.environ and any(v in os.environ for v in _MPI_VARS):
+            from .run import mpi_env
+
+            mpi_env()
+        return original(url, *args, **kwargs)
+
+    env_or_mpi._mcrdl = True
+    handlers["env"] = env_or_mpi
+
+
+def register() -> None:
+    """The entry point: register the lazy creator; never raises."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        if "MCRDL" not in dist.Backend._plugins:
+            dist.Backend.register_backend("mcrdl", _create, extended_api=True,
+                                          devices=["cpu", "cuda"])
+        import importlib
+
+        # the module, not the function torch.distributed re-exports under that name
+        _wrap_env_rendezvous(importlib.import_module("torch.distributed.rendezvous"))
+    except Exception:  # an exception here would make `import torch` fail
+        log.debug("mcrdl: could not register the torch.distributed backend", exc_info=True)
