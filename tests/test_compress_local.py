@@ -271,3 +271,28 @@ def test_error_bounds_are_stated():
         assert codec.typical_error is not None, name
         if not name.startswith("zfp"):
             assert codec.error_bound is not None and math.isfinite(codec.error_bound)
+
+
+def test_auto_keeps_plain_on_fast_links_and_compresses_on_slow_ones():
+    """decide() is pure: from a calibration (link and codec times) to a variant."""
+    from mcrdl_core.compress.auto import CAL_BYTES, Calibration, decide, model
+
+    codecs = {"int8": (2e-3, 0.5e-3), "fp16": (4e-3, 2e-3)}  # seconds per 2 MiB
+    for P in (2, 4):
+        fast = Calibration(P, (P - 1) * CAL_BYTES / 5e9, codecs)  # shared memory
+        slow = Calibration(P, (P - 1) * CAL_BYTES / 0.125e9, codecs)  # 1 Gbit/s
+        for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE):
+            for n in (1 << 12, 1 << 20, 1 << 24):
+                assert decide(fast, op, n) is None, (P, op, n)
+            assert decide(slow, op, 1 << 22) in (Compression("int8", "ring"),
+                                                  Compression("int8", "a2a")), (P, op)
+        t = model(slow, Op.ALL_GATHER, 1 << 22)
+        assert t["plain"] > 2 * t["int8@ring"]
+        # a measured ring slower than the model makes the model pessimistic, never the reverse
+        slowed = Calibration(P, slow.allgather_s, codecs, {"int8": 10.0, "fp16": 10.0})
+        assert decide(slowed, Op.ALL_GATHER, 1 << 22) is None
+    with pytest.raises(InvalidArgumentError, match="name the codecs"):
+        parse("auto")
+    assert str(parse("auto:fp16+int8")) == "auto:fp16+int8"
+    with pytest.raises(DtypeError):
+        resolve("auto:int8", Op.ALL_GATHER, dt.int32)

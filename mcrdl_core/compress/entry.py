@@ -8,6 +8,7 @@ import functools
 
 from ..ops import Op, ReduceOp
 from . import algorithms as _alg
+from .auto import Auto, choose
 from .codecs import NonFiniteError
 from .schedule import Channel, ScheduleWork, store, to_work, xp_of
 from .spec import make_codec, plan, work_dtype
@@ -41,9 +42,24 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
     return rt.finish(work, spans, async_op, nbytes)
 
 
+def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, then=None):
+    """Where auto keeps the backend's own collective: the core's usual path."""
+    be = rt.select(op, g, probe, backend)
+    spans = rt.order(reads=reads, writes=writes, keep=async_op)
+    work = call(be)
+    if then is not None:
+        work.add_finalizer(then)
+    return rt.finish(work, spans, async_op, nbytes)
+
+
 def all_gather(rt, g, out, inp, cz, backend, async_op, writes=None, then=None):
     """``out`` (P*n elements) gets every rank's ``inp`` (n elements). ``writes``: the
     user's buffers when ``out`` is a staging buffer that ``then`` copies into them."""
+    if isinstance(cz, Auto):
+        cz = choose(cz, rt, g, Op.ALL_GATHER, inp.numel, inp.dtype, backend)
+        if cz is None:
+            return _plain(rt, g, Op.ALL_GATHER, backend, inp, lambda be: be.all_gather(g, out, inp),
+                          (inp,), writes or (out,), async_op, out.nbytes, then)
     wd = work_dtype(inp.dtype)
     direct = out.array().dtype == wd
     res = out.array().reshape(-1) if direct else xp_of(out).empty(g.size * inp.numel, wd)
@@ -66,6 +82,12 @@ def all_gather(rt, g, out, inp, cz, backend, async_op, writes=None, then=None):
 
 def reduce_scatter(rt, g, out, inp, op, cz, backend, async_op):
     """``out`` (n elements) gets block r of the sum over ranks of ``inp`` (P*n)."""
+    if isinstance(cz, Auto):
+        cz = choose(cz, rt, g, Op.REDUCE_SCATTER, out.numel, out.dtype, backend)
+        if cz is None:
+            return _plain(rt, g, Op.REDUCE_SCATTER, backend, out,
+                          lambda be: be.reduce_scatter(g, out, inp, op), (inp,), (out,),
+                          async_op, inp.nbytes)
     wd = work_dtype(inp.dtype)
     direct = out.array().dtype == wd
     res = out.array().reshape(-1) if direct else xp_of(out).empty(out.numel, wd)
@@ -90,6 +112,11 @@ def all_reduce(rt, g, buf, op, cz, backend, async_op):
     """All-reduce as reduce-scatter + all-gather of P blocks of ceil(n/P) elements."""
     P, n = g.size, buf.numel
     m = -(-n // P)
+    if isinstance(cz, Auto):
+        cz = choose(cz, rt, g, Op.ALL_REDUCE, m, buf.dtype, backend)
+        if cz is None:
+            return _plain(rt, g, Op.ALL_REDUCE, backend, buf, lambda be: be.all_reduce(g, buf, op),
+                          (), (buf,), async_op, buf.nbytes)
     wd = work_dtype(buf.dtype)
     xp = xp_of(buf)
     res = xp.empty(P * m, wd)

@@ -61,16 +61,34 @@ class Compression:
         return f"{self.codec}@{self.algorithm}" + (f"*{self.chunks}" if self.chunks else "")
 
 
-def parse(spec) -> Compression | None:
-    """A Compression from a spec string or object; None for None/'' /'off'."""
-    if spec is None or isinstance(spec, Compression):
+def parse(spec):
+    """A Compression (or an auto.Auto) from a spec string or object; None for None, '',
+    'off'."""
+    if spec is None or isinstance(spec, Compression) or type(spec).__name__ == "Auto":
         return spec
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"compression must be a string such as 'int8' or "
                                    f"'fp16@a2a', or a Compression, got {type(spec).__name__}")
+    return _parse_text(spec, os.environ.get("MCRDL_COMPRESSION_CHUNKS"))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_text(spec: str, _chunks_env):
+    """parse() of a string, memoized (per value of MCRDL_COMPRESSION_CHUNKS)."""
     text = spec.strip().lower()
     if text in ("", "off", "0", "false"):
         return None
+    if text.startswith("auto"):
+        from .auto import Auto
+
+        codecs = tuple(c for c in text[5:].split("+") if c)
+        if text[4:5] != ":" or not codecs:
+            raise InvalidArgumentError(f"compression {spec!r}: name the codecs auto may use, "
+                                       "e.g. 'auto:fp16+int8' (lossy codecs are never chosen "
+                                       "unless named)")
+        for c in codecs:
+            make_codec(c, "float32")
+        return Auto(codecs)
     codec, _, algo = text.partition("@")
     return Compression(codec, algo or "ring", _env_chunks())
 
@@ -114,14 +132,30 @@ def env_default(op: Op) -> Compression | None:
 def resolve(compression, op: Op, dtype: _dt.DType, reduce_op: ReduceOp | None = None):
     """The Compression for one call (keyword first, then the environment), checked
     against the call's dtype and reduce op; None: no compression. Raises before anything
-    is sent."""
+    is sent. Memoized per (spec, op, dtype, reduce op) when the spec is a string."""
+    if compression is None or isinstance(compression, str):
+        key = (compression, os.environ.get("MCRDL_COMPRESSION"),
+               os.environ.get("MCRDL_COMPRESSION_CHUNKS"), op, dtype, reduce_op)
+        hit = _RESOLVED.get(key)
+        if hit is None:
+            if len(_RESOLVED) > 1024:
+                _RESOLVED.clear()
+            hit = _RESOLVED[key] = (_resolve(compression, op, dtype, reduce_op),)
+        return hit[0]
+    return _resolve(compression, op, dtype, reduce_op)
+
+
+_RESOLVED: dict = {}
+
+
+def _resolve(compression, op: Op, dtype: _dt.DType, reduce_op):
     cz = parse(compression) if compression is not None else env_default(op)
     if cz is None:
         return None
-    codec = make_codec(cz.codec, dtype.name)
-    if codec.lossy and not dtype.is_floating:
-        raise DtypeError(f"compression {cz.codec!r} is lossy and refuses {dtype.name} data; "
-                         "pass compression=None (or 'none') for integer tensors")
+    for name in getattr(cz, "codecs", None) or (cz.codec,):
+        if make_codec(name, dtype.name).lossy and not dtype.is_floating:
+            raise DtypeError(f"compression {name!r} is lossy and refuses {dtype.name} data; "
+                             "pass compression=None (or 'none') for integer tensors")
     if reduce_op is not None and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise UnsupportedError(f"compressed {op} supports ReduceOp SUM and AVG, not "
                                f"{reduce_op.name}; pass compression=None for it")

@@ -222,3 +222,25 @@ def test_subgroup():
     for i, k in enumerate(ranks):
         assert np.array_equal(out[i * x.shape[0]:][:x.shape[0]],
                               local_round_trip("int8", data(k, x.shape[0], 11))), (i, me)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_makes_one_choice_on_every_rank(backend):
+    """auto calibrates once (collectively, figures agreed with MAX), so every rank takes
+    the same variant; the result is the plain one or a correct compressed one."""
+    from mcrdl_core.compress import auto
+
+    spec = "auto:fp16+int8"
+    x = data(RANK, 1 << 16, 12)
+    out = np.empty(SIZE << 16, np.float32)
+    mc.all_gather_into_tensor(out, x, backend=backend, compression=spec)
+    choice = auto.describe(spec, "all_gather", SIZE, 1 << 16, backend)
+    assert len(set(MPI.COMM_WORLD.allgather(choice))) == 1, choice
+    mine = out[RANK << 16:][:1 << 16]
+    if choice == "plain":
+        assert np.array_equal(mine, x)
+    else:
+        assert np.array_equal(mine, local_round_trip(choice.split("@")[0], x)), choice
+    y = data(RANK, 3 * SIZE, 13)  # a few values: the plain collective, whatever the link
+    mc.all_reduce(y, backend=backend, compression=spec)
+    assert rel(y, sum(data(k, 3 * SIZE, 13).astype(np.float64) for k in range(SIZE))) < 1e-6
