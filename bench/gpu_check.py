@@ -9,7 +9,10 @@ issued, and the result read after it on that stream must be the kernel's output.
 Part 2 (``mpiexec -n 2``, both ranks on the one GPU): MPI and Gloo with CUDA buffers
 from CuPy, torch and JAX (inputs from every framework; JAX arrays are immutable, so
 they are inputs only), the stream-ordering test across ranks, and NCCL's verdict (two
-ranks on one GPU: unavailable with the reason, and auto selection takes mpi).
+ranks on one GPU: the first NCCL call is refused on both ranks, naming them, before
+anything is sent). Part 2 runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX would
+otherwise take 75% of the GPU in each of the two processes), and every skip is
+decided by both ranks together, so that one rank never runs a collective alone.
 
 Without a GPU it prints why and exits 0. Exit status 1 if any check failed.
 """
@@ -265,23 +268,42 @@ def _skipped(reason):
     return run
 
 
-def run_part(core, part, backends, frameworks, rank, size):
+def agree(bootstrap, reason: str | None) -> str | None:
+    """A skip decided by every rank together (collective): None only if no rank has a
+    reason, else the first rank's reason, naming it. Every rank gets the same answer."""
+    every = bootstrap.allgather(reason)
+    for r, why in enumerate(every):
+        if why is not None:
+            return why if len(every) == 1 else f"rank {r}: {why}"
+    return None
+
+
+def _framework(fw_name):
+    """(framework object, None) or (None, why it is skipped on this rank)."""
+    try:
+        return FRAMEWORKS[fw_name](), None
+    except Skip as exc:
+        return None, str(exc)
+
+
+def run_part(core, part, backends, frameworks, rank, size, stream_checks=True):
     results = []
     rt = core.get_runtime()
+    bs = rt.bootstrap
     for backend in backends:
-        reason = rt.unavailable_reason(backend)
+        reason = agree(bs, rt.unavailable_reason(backend))
         for fw_name in frameworks:
             if reason is not None:
                 run_check(results, part, backend, fw_name, "every op", _skipped(reason))
                 continue
-            try:
-                fw = FRAMEWORKS[fw_name]()
-            except Skip as exc:
-                run_check(results, part, backend, fw_name, "every op", _skipped(str(exc)))
+            fw, why = _framework(fw_name)
+            why = agree(bs, why)
+            if why is not None:
+                run_check(results, part, backend, fw_name, "every op", _skipped(why))
                 continue
             for name, fn in op_checks(core, fw, backend, rank, size).items():
                 run_check(results, part, backend, fw_name, name, fn)
-        if reason is None:
+        if reason is None and stream_checks:
             run_check(results, part, backend, "cupy", "stream order (slow producer)",
                       stream_order_check(core, backend, rank, size))
             run_check(results, part, backend, "torch", "stream order (torch.cuda._sleep)",
@@ -290,23 +312,35 @@ def run_part(core, part, backends, frameworks, rank, size):
 
 
 def nccl_verdict_check(core):
+    """Two ranks on one GPU: NCCL stays available (how many GPUs a rank sees decides
+    nothing), and the first NCCL call is refused on both ranks, naming them, from the
+    PCI bus ids gathered at communicator creation, before anything is sent."""
     def run():
-        from mcrdl_core.buffer import Buffer, Device
-        from mcrdl_core.ops import Op, ReduceOp
-
         rt = core.get_runtime()
-        reason = rt.unavailable_reason("nccl")
-        fake = Buffer(0, (8,), core.dtypes.float32, Device("cuda", 0))
-        pick = rt.select(Op.ALL_REDUCE, rt.world, fake, None, ReduceOp.SUM).name
-        if reason is None:
-            raise Skip("this host has a GPU per rank: NCCL is usable with 2 ranks")
-        assert "GPU per rank" in reason, reason
-        assert pick == "mpi", pick
+        reason = agree(rt.bootstrap, rt.unavailable_reason("nccl"))
+        if reason is not None:
+            raise Skip(reason)
+        cp = _cupy()
+        x = cp.ones(8, dtype=cp.float32)
+        try:
+            core.all_reduce(x, "sum", backend="nccl")
+        except core.UnsupportedError as exc:
+            assert "both use GPU" in str(exc) and "ranks 0 and 1" in str(exc), exc
+        else:
+            raise Skip("the two ranks use different GPUs here: NCCL ran")
+        assert float(cp.asnumpy(x).sum()) == 8.0, "the refused call changed its buffer"
     return run
+
+
+def part_two_env(env) -> dict:
+    """The environment of part 2: two processes share one GPU, so JAX must not
+    preallocate (75% of the GPU per process by default)."""
+    return {**env, "MCRDL_TUNING_TABLE": "none", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 # --- driver -----------------------------------------------------------------------------
 def part_two(out_path):
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # also when launched by hand
     import mcrdl_core as core
     from mcrdl_core import cuda
 
@@ -314,7 +348,7 @@ def part_two(out_path):
     cuda.cupy().cuda.Device(rt.bootstrap.local_rank % cuda.device_count()).use()
     results = run_part(core, "2 ranks, 1 GPU", ["mpi", "gloo"], ["cupy", "torch", "jax"],
                        rt.rank, rt.world_size)
-    run_check(results, "2 ranks, 1 GPU", "nccl", "-", "unavailable with reason; auto -> mpi",
+    run_check(results, "2 ranks, 1 GPU", "nccl", "-", "shared GPU refused on both ranks",
               nccl_verdict_check(core))
     every = rt.bootstrap.allgather(results)
     if rt.rank == 0:
@@ -371,7 +405,7 @@ def main(argv=None) -> int:
         mpiexec = os.path.join(bindir, "mpiexec")
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "part2.json")
-            env = {**os.environ, "MCRDL_TUNING_TABLE": "none"}
+            env = part_two_env(os.environ)
             try:
                 proc = subprocess.run([mpiexec, "-n", "2", sys.executable, __file__,
                                        "--part-two", out], env=env, capture_output=True,

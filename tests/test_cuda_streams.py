@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mcrdl_core import cuda as mc_cuda
+from test_cuda_gpu_check import _gpu_check  # bench/gpu_check.py: its slow producer kernel
 
 GPU_REASON = mc_cuda.device_reason()
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
@@ -44,18 +45,6 @@ def test_stream_cache_is_bounded(monkeypatch):
 
 # --- on a GPU ---------------------------------------------------------------------------------------
 N = 1 << 16
-
-
-def _gpu_check():
-    """bench/gpu_check.py as a module (its slow producer kernel)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _slow_fill(cp, x, value, stream):

@@ -136,6 +136,50 @@ def test_batch_isend_irecv_refuses_bad_batches_before_sending():
     core.barrier()
 
 
+# --- bench/gpu_check.py across ranks (item 22) -------------------------------------------------
+def _gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("skipping_rank", [None, SIZE - 1])
+def test_gpu_check_skips_together_and_its_checks_pass_on_host_arrays(monkeypatch, skipping_rank):
+    """gpu_check's own op checks on host arrays over mpi; when one rank cannot build the
+    framework, every rank skips it (before, the others ran its collectives alone)."""
+    gc = _gpu_check()
+
+    class HostArrays:
+        name, mutable = "numpy", True
+
+        def __init__(self):
+            if RANK == skipping_rank:
+                raise gc.Skip("not on this rank")
+
+        make = staticmethod(np.array)
+        host = staticmethod(np.asarray)
+
+        @staticmethod
+        def empty(n):
+            return np.zeros(n, dtype=np.float32)
+
+    monkeypatch.setitem(gc.FRAMEWORKS, "numpy", HostArrays)
+    rows = gc.run_part(core, "test", ["mpi"], ["numpy"], RANK, SIZE, stream_checks=False)
+    if skipping_rank is None:
+        bad = [r for r in rows if r["status"] == "FAIL"]
+        assert not bad, bad
+        assert len([r for r in rows if r["status"] == "PASS"]) == (11 if SIZE > 1 else 10)
+    else:
+        assert [(r["check"], r["status"]) for r in rows] == [("every op", "SKIP")]
+        assert rows[0]["detail"] == ("not on this rank" if SIZE == 1
+                                     else f"rank {SIZE - 1}: not on this rank")
+
+
 @pytest.mark.gpu
 def test_batch_isend_irecv_ring_on_nccl():
     cp = _gpu_backend("nccl")
