@@ -380,6 +380,9 @@ def main(argv=None) -> int:
         except McrdlError as exc:
             print(f"mcrdl cluster: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print("mcrdl cluster: interrupted", file=sys.stderr)
+            return 130
     return args.fn(args)
 
 
