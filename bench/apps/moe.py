@@ -1,0 +1,137 @@
+"""A mixture-of-experts transformer block trained over torch.distributed.
+
+    mpiexec -n 2 .venv/bin/python bench/apps/moe.py --backend mcrdl [--pg-options mpi] [--check]
+    mpiexec -n 2 .venv/bin/python bench/apps/moe.py --backend gloo
+
+Only ``torch.distributed`` is called, so the same code runs on Gloo and on MCR-DL. The
+block (as in GShard / Switch / DeepSpeed-MoE, top-1 routing without a capacity limit):
+
+    h = x + attention-free mixing (a data-parallel linear layer)
+    y = h + gate_prob * expert_{argmax gate(h)}(h)      (the MoE layer)
+    out = y + FFN(y)                                    (data parallel)
+
+Expert parallelism: ``--experts-per-rank`` experts live on each rank. Each step every
+rank routes its tokens, sorts them by expert, tells every rank how many it will get
+(an all-to-all of counts), sends them with an uneven ``all_to_all_single``, runs its
+experts on what arrived and sends the results back the same way (autograd sends the
+gradients along the reverse routes). The gate, mixing and FFN weights are data
+parallel: one flat ``all_reduce`` of their gradients per step.
+
+``--check`` trains the same block in one process on every rank's tokens and compares
+the losses (each rank's loss is its local mean divided by n: the sum is the mean).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torch_common import CLOCK, all_reduce_grads, all_to_all, exchange_counts, init, parser, run
+
+
+class Block:
+    def __init__(self, a, n, my_experts):
+        torch.manual_seed(0)
+        d = a.hidden
+        self.mix = nn.Linear(d, d)
+        self.gate = nn.Linear(d, a.experts_per_rank * n)
+        self.ffn = nn.Sequential(nn.Linear(d, a.ffn), nn.GELU(), nn.Linear(a.ffn, d))
+        self.experts = {}
+        for e in range(a.experts_per_rank * n):
+            torch.manual_seed(1000 + e)
+            expert = nn.Sequential(nn.Linear(d, a.ffn), nn.GELU(), nn.Linear(a.ffn, d))
+            if e in my_experts:
+                self.experts[e] = expert
+
+    def dense_params(self):
+        return [p for m in (self.mix, self.gate, self.ffn) for p in m.parameters()]
+
+    def expert_params(self):
+        return [p for m in self.experts.values() for p in m.parameters()]
+
+    def route(self, x):
+        h = x + self.mix(x)
+        probs = torch.softmax(self.gate(h), dim=-1)
+        weight, expert = probs.max(dim=-1)
+        order = torch.argsort(expert, stable=True)
+        return h, weight, expert, order
+
+    def finish(self, h, weight, moe_out):
+        y = h + weight.unsqueeze(1) * moe_out
+        return y + self.ffn(y)
+
+
+def tokens(a, step, rank):
+    g = torch.Generator().manual_seed(104729 * step + rank)
+    return torch.randn(a.tokens, a.hidden, generator=g), torch.randn(a.tokens, a.hidden, generator=g)
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--experts-per-rank", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
+    a = p.parse_args()
+    rank, n = init(a)
+    epr = a.experts_per_rank
+    mine = list(range(rank * epr, (rank + 1) * epr))
+    block = Block(a, n, mine)
+    opt = torch.optim.SGD(block.dense_params() + block.expert_params(), lr=a.lr)
+    state = {"step": 0}
+
+    def step():
+        x, target = tokens(a, state["step"], rank)
+        state["step"] += 1
+        opt.zero_grad()
+        h, weight, expert, order = block.route(x)
+        per_expert = torch.bincount(expert, minlength=epr * n)
+        send_counts = per_expert.view(n, epr).sum(1).tolist()
+        # how many tokens each source sends to each of my experts
+        with CLOCK:
+            got = torch.empty_like(per_expert)
+            dist.all_to_all_single(got, per_expert)
+        got = got.view(n, epr)
+        recv_counts = got.sum(1).tolist()
+        arrived = all_to_all(h[order], recv_counts, send_counts)
+        pieces = torch.split(arrived, got.reshape(-1).tolist())
+        done = torch.cat([block.experts[mine[i % epr]](piece) for i, piece in enumerate(pieces)])
+        back = all_to_all(done, send_counts, recv_counts)
+        moe_out = torch.empty_like(back).index_copy(0, order, back)
+        loss = nn.functional.mse_loss(block.finish(h, weight, moe_out), target) / n
+        loss.backward()
+        all_reduce_grads(block.dense_params())
+        opt.step()
+        total = loss.detach().clone()
+        with CLOCK:
+            dist.all_reduce(total)
+        return total.item()
+
+    def reference(steps):
+        ref = Block(a, n, range(epr * n))
+        ropt = torch.optim.SGD(ref.dense_params() + ref.expert_params(), lr=a.lr)
+        out = []
+        for s in range(steps):
+            ropt.zero_grad()
+            total = 0.0
+            for r in range(n):
+                x, target = tokens(a, s, r)
+                h, weight, expert, order = ref.route(x)
+                moe_out = torch.empty_like(h)
+                for e in range(epr * n):
+                    sel = (expert == e).nonzero().squeeze(1)
+                    if len(sel):
+                        moe_out = moe_out.index_copy(0, sel, ref.experts[e](h[sel]))
+                loss = nn.functional.mse_loss(ref.finish(h, weight, moe_out), target) / n
+                loss.backward()
+                total += loss.item()
+            ropt.step()
+            out.append(total)
+        return out
+
+    run(a, step, reference, samples_per_step=a.tokens * n, name="moe")
+
+
+if __name__ == "__main__":
+    main()

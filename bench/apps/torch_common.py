@@ -1,0 +1,132 @@
+"""What bench/apps/dlrm.py and moe.py share: start-up through
+``torch.distributed.init_process_group(backend)`` (the programs never import MCR-DL:
+"mcrdl" is a registered torch backend), an all-to-all that autograd can differentiate,
+a timer of the time spent in communication calls, the data-parallel gradient
+all-reduce, and the result line the apps table reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class CommClock:
+    """Seconds spent inside communication calls (they are synchronous here, so this is
+    the time the step waits for communication, imbalance included)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._t0
+
+
+CLOCK = CommClock()
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with (uneven) splits; its derivative is the all-to-all
+    with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits):
+        ctx.splits = (out_splits, in_splits)
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        with CLOCK:
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        with CLOCK:
+            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits)
+        return back, None, None
+
+
+def all_to_all(x, out_splits, in_splits):
+    return AllToAll.apply(x, list(out_splits), list(in_splits))
+
+
+def exchange_counts(counts: list[int]) -> list[int]:
+    """Each rank's counts for every other rank -> what every rank sends to me."""
+    send = torch.tensor(counts, dtype=torch.int64)
+    recv = torch.empty_like(send)
+    with CLOCK:
+        dist.all_to_all_single(recv, send)
+    return recv.tolist()
+
+
+def all_reduce_grads(params) -> None:
+    """Sum the gradients of data-parallel parameters over ranks in one flat buffer (what
+    a DDP bucket does); each rank's loss is already divided by the world size."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with CLOCK:
+        dist.all_reduce(flat)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", default="mcrdl", help="torch.distributed backend: gloo or mcrdl")
+    p.add_argument("--pg-options", default=None,
+                   help="mcrdl only: 'mpi', 'gloo' or per op 'all_to_all=mpi,all_reduce=gloo'")
+    p.add_argument("--steps", type=int, default=20, help="timed training steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--check", action="store_true",
+                   help="also train in one process and compare the losses")
+    p.add_argument("--json", default=None, help="write the result line here (rank 0)")
+    return p
+
+
+def init(args) -> tuple[int, int]:
+    kw = {}
+    if args.backend == "mcrdl" and args.pg_options:
+        kw["pg_options"] = args.pg_options
+    dist.init_process_group(args.backend, **kw)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def run(args, step, reference=None, samples_per_step: int = 0, name: str = "") -> dict:
+    """Warm up, time ``args.steps`` calls of ``step()`` (each returns the global loss),
+    print and return the result; ``--check`` compares with ``reference(steps)``."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    losses = [step() for _ in range(args.warmup)]
+    dist.barrier()
+    CLOCK.seconds = 0.0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        losses.append(step())
+    elapsed = time.perf_counter() - t0
+    comm = torch.tensor([CLOCK.seconds, elapsed], dtype=torch.float64)
+    dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+    result = {"app": name, "backend": args.backend, "pg_options": args.pg_options, "ranks": n,
+              "steps": args.steps, "samples_per_s": samples_per_step * args.steps / comm[1].item(),
+              "comm_share": comm[0].item() / comm[1].item(), "losses": losses}
+    if args.check and reference is not None:
+        ref = reference(args.warmup + args.steps)
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+        result["check_max_rel_diff"] = worst
+        if worst > 1e-4:
+            raise SystemExit(f"{name}: losses differ from the one-process reference by {worst:.2e}")
+    if rank == 0:
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(line + "\n")
+    dist.destroy_process_group()
+    return result
