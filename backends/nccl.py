@@ -1,23 +1,33 @@
 """NCCL backend, through ``cupy.cuda.nccl``. CUDA buffers only.
 
 This module imports without CuPy, NCCL or a GPU: ``NCCLBackend.unavailable_reason``
-then says exactly what is missing (CuPy not installed, no usable CUDA device, more
-ranks on a host than GPUs, or the NCCL library not loadable by CuPy).
+then says exactly what is missing (CuPy not installed, no usable CUDA device, or the
+NCCL library not loadable by CuPy). How many GPUs a rank *sees* decides nothing: with
+CUDA_VISIBLE_DEVICES or Slurm's ``--gpus-per-task=1`` each rank sees only its own.
 
 Communicators
     One NCCL communicator per group, created on the group's first NCCL call by its
     members and cached in ``group.comms`` (never one per call). Group rank 0 makes the
     unique id (``nccl.get_unique_id``); the core's bootstrap carries it to the other
     members (``share_unique_id``, collective over the members only). Before NCCL is
-    called, the members exchange (host, PCI bus id) and two ranks on one GPU are refused
-    with both named (NCCL needs a GPU per rank). ``ncclCommInitRank`` blocks until every
-    member has joined, so it runs on a helper thread while the calling thread keeps
-    driving the progress loop. The communicator lives on the device of the buffer that
-    created it; a later call on that group with a buffer on another device is refused.
+    called, the members exchange (host, PCI bus id) of the GPU each uses and two ranks
+    on one GPU are refused, both named, on every member alike (``shared_gpu_reason``;
+    NCCL needs a GPU per rank; ``backend='mpi'``/``'gloo'`` serve ranks sharing one).
+    ``ncclCommInitRank`` blocks until every member has joined, so it runs on a helper
+    thread while the calling thread keeps driving the progress loop. Connections are
+    opened there too, never later on the calling thread inside a collective's
+    ``ncclGroupEnd`` (where the thread would stop driving MPI): ``NCCL_RUNTIME_CONNECT=0``
+    is set before the first communicator (unless the user set it), and the p2p
+    connections, which NCCL always opens lazily, are opened by a one-byte exchange with
+    every peer (``MCRDL_NCCL_PRECONNECT``; by default for groups of up to 16 ranks).
+    The communicator lives on the device of the buffer that created it; a later call on
+    that group with a buffer on another device is refused. At shutdown a communicator is
+    destroyed, or aborted if it failed (``ncclCommDestroy`` would wait forever).
 
 Stream and event semantics (enforced here and in ``mcrdl_core.cuda``)
     1. Producer -> communication. Each communicator owns one communication stream (a
-       non-blocking stream on its device). Before an op is enqueued, an event is
+       non-blocking stream on its device, kept for the process lifetime: torch may still
+       refer to it through ``record_stream``). Before an op is enqueued, an event is
        recorded on the *producer stream* of every buffer of the call and the
        communication stream waits on it (``cudaStreamWaitEvent``: no host wait). The
        producer stream is ``mcrdl_core.cuda.producer_stream``: the stream a DLPack
@@ -41,20 +51,25 @@ Stream and event semantics (enforced here and in ``mcrdl_core.cuda``)
        one NCCL op whose wait blocks the host, through the progress loop, as torch's.
     4. Memory lifetime. torch tensors of a call are recorded on the communication
        stream (``Tensor.record_stream``) so torch's caching allocator cannot hand their
-       memory out again before NCCL is done with it; the Work keeps every buffer
-       referenced until its event completes or it is waited on.
+       memory out again before NCCL is done with it. Every buffer of a call (CuPy and
+       JAX memory, the core's temporaries) stays referenced until the op's event has
+       completed: by the Work while in flight, and after a ``wait()`` that returned
+       before the GPU finished, by the progress engine's pending list
+       (``ProgressEngine.defer``), which the engine polls on every later wait.
     5. Errors. An NCCL call that fails raises at once, naming op and group. Each poll of
        an unfinished op calls ``check_async_error`` on its communicator and raises what
        it finds as :class:`NCCLError` naming the op, so a dead peer surfaces instead of a
-       wait that ends only at the timeout.
+       wait that ends only at the timeout. An op already waited on reports its error
+       from the pending list: at the next call that drives the progress engine.
 
 Ops
     send/recv (NCCL has no tags: messages between two ranks arrive in order; any-source
     recv is refused), broadcast, reduce and all-reduce (in place), all-gather,
     reduce-scatter, and all-to-all (even and uneven), gather and scatter as grouped
     send/recv inside ``groupStart``/``groupEnd`` (the rank's own block is copied with
-    ``cudaMemcpyAsync`` on the communication stream); barrier is an all-reduce of one
-    float on a scratch buffer. Data types: int8, uint8, int32, int64, float16, bfloat16,
+    ``cudaMemcpyAsync`` on the communication stream; its two split sizes must agree);
+    ``batch_p2p`` (``mcrdl_core.p2p.batch_isend_irecv``) issues a batch of sends and
+    receives as one group; barrier is an all-reduce of one float on a scratch buffer. Data types: int8, uint8, int32, int64, float16, bfloat16,
     float32, float64; data-movement ops move any other dtype as bytes. ReduceOps: SUM,
     PRODUCT, MIN, MAX and AVG (``ncclAvg``, NCCL >= 2.10); BAND/BOR/BXOR do not exist in
     NCCL and are refused with a reason (mpi and gloo have them).
