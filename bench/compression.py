@@ -20,6 +20,13 @@ time per call on the slowest rank; a column's figure is the median over the roun
 Error: relative L2 distance of the column's result from the backend's own (exact) one,
 the worst rank's. Rank 0 prints the table (time, speedup over BACKEND, error) and writes
 CSV, JSON and a PNG plot into --out, named compression_<label>_<ranks>r.
+
+--fsdp STEPS instead trains a small MLP (3 Linear layers, each fully_shard-ed) with
+FSDP2 through torch.distributed.init_process_group("mcrdl") for STEPS steps, once
+uncompressed and once per codec of --fsdp-codecs with MCRDL_COMPRESSION set to it (so
+FSDP2's all-gathers and reduce-scatters are compressed by the registered backend), from
+the same initial weights and batches; it prints the final losses (mean of the last 10
+steps), their relative difference and the times, into compression_fsdp_<label>_<ranks>r.json.
 """
 from __future__ import annotations
 
@@ -61,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-ms", type=float, default=30.0)
     ap.add_argument("--label", default=None, help="run name (default: <hosts>host)")
     ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--fsdp", type=int, default=0, metavar="STEPS",
+                    help="train FSDP2 for STEPS steps with and without compression instead")
+    ap.add_argument("--fsdp-codecs", default="int8,fp16")
     return ap.parse_args(argv)
 
 
@@ -128,11 +138,84 @@ def measure(args, op: str, nbytes: int):
     return med, errors, picks
 
 
+def fsdp_losses(steps: int, codec: str | None) -> tuple[list, float]:
+    """Per-step mean loss over ranks of an FSDP2-sharded MLP fitting a fixed teacher,
+    and the seconds the steps took; MCRDL_COMPRESSION=codec while it trains."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if codec:
+        os.environ["MCRDL_COMPRESSION"] = codec
+    else:
+        os.environ.pop("MCRDL_COMPRESSION", None)
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def mlp(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                             nn.Linear(256, 8))
+
+    teacher, model = mlp(1), mlp(0)
+    mesh = init_device_mesh("cpu", (size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, 64, generator=g)
+        with torch.no_grad():
+            y = teacher(x)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # compressed too when the codec allows all_reduce: fine
+        losses.append(mean.item() / size)
+    os.environ.pop("MCRDL_COMPRESSION", None)
+    return losses, time.perf_counter() - t0
+
+
+def fsdp_main(args, label: str, size: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("mcrdl")
+    base, t_base = fsdp_losses(args.fsdp, None)
+    tail = lambda v: sum(v[-10:]) / len(v[-10:])  # noqa: E731
+    result = {"steps": args.fsdp, "ranks": size, "plain": {"final": tail(base), "first": base[0],
+                                                           "seconds": t_base}}
+    for codec in [c for c in args.fsdp_codecs.split(",") if c]:
+        comp, t = fsdp_losses(args.fsdp, codec)
+        diff = abs(tail(comp) - tail(base)) / tail(base)
+        result[codec] = {"final": tail(comp), "rel_diff": diff, "seconds": t}
+        if COMM.Get_rank() == 0:
+            print(f"FSDP2 {args.fsdp} steps, {size} ranks: loss {base[0]:.4f} -> plain "
+                  f"{tail(base):.5f}, {codec} {tail(comp):.5f} (rel. diff {diff:.3%}); "
+                  f"{t_base:.1f} s vs {t:.1f} s", flush=True)
+    dist.destroy_process_group()
+    if COMM.Get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"compression_fsdp_{label}_{size}r.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, size = COMM.Get_rank(), COMM.Get_size()
     hosts = len(set(COMM.allgather(socket.gethostname())))
     label = args.label or f"{hosts}host"
+    if args.fsdp:
+        return fsdp_main(args, label, size)
     sizes, s = [], args.min_bytes
     while s <= args.max_bytes:
         sizes.append(s)
