@@ -150,6 +150,9 @@ def stream(handle: int, device: int):
         s = cp.cuda.Stream.null
     elif hasattr(cp.cuda.Stream, "from_external"):
         s = cp.cuda.Stream.from_external(_Handle(handle))
+        # the protocol carries no device; CuPy takes the current one (or -1), and
+        # entering a stream checks it against the current device: record the real one
+        s.device_id = device
     else:
         s = cp.cuda.ExternalStream(handle, device)
     if len(_WRAPPERS) >= _WRAPPERS_MAX:
