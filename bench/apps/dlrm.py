@@ -25,9 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torch_common import all_reduce_grads, all_to_all, init, parser, run, CLOCK
-
-import torch.distributed as dist
+from torch_common import all_to_all, init, parser, run, train_step
 
 
 def mlp(sizes):
@@ -119,13 +117,7 @@ def main():
         embs = embs[:, perm]
         logits = parts.top(interact(parts.bottom(dense[lo:lo + B]), embs)).squeeze(1)
         loss = loss_fn(logits, labels[lo:lo + B]) / n
-        loss.backward()
-        all_reduce_grads(parts.dense_params())
-        opt.step()
-        total = loss.detach().clone()
-        with CLOCK:
-            dist.all_reduce(total)
-        return total.item()
+        return train_step(loss, parts.dense_params(), opt)
 
     def reference(steps):
         ref = Parts(a, range(a.tables))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_common import CLOCK, all_reduce_grads, all_to_all, exchange_counts, init, parser, run
+from torch_common import CLOCK, all_to_all, init, parser, run, train_step
 
 
 class Block:
@@ -100,13 +100,7 @@ def main():
         back = all_to_all(done, send_counts, recv_counts)
         moe_out = torch.empty_like(back).index_copy(0, order, back)
         loss = nn.functional.mse_loss(block.finish(h, weight, moe_out), target) / n
-        loss.backward()
-        all_reduce_grads(block.dense_params())
-        opt.step()
-        total = loss.detach().clone()
-        with CLOCK:
-            dist.all_reduce(total)
-        return total.item()
+        return train_step(loss, block.dense_params(), opt)
 
     def reference(steps):
         ref = Block(a, n, range(epr * n))

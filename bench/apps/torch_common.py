@@ -57,15 +57,6 @@ def all_to_all(x, out_splits, in_splits):
     return AllToAll.apply(x, list(out_splits), list(in_splits))
 
 
-def exchange_counts(counts: list[int]) -> list[int]:
-    """Each rank's counts for every other rank -> what every rank sends to me."""
-    send = torch.tensor(counts, dtype=torch.int64)
-    recv = torch.empty_like(send)
-    with CLOCK:
-        dist.all_to_all_single(recv, send)
-    return recv.tolist()
-
-
 def all_reduce_grads(params) -> None:
     """Sum the gradients of data-parallel parameters over ranks in one flat buffer (what
     a DDP bucket does); each rank's loss is already divided by the world size."""
@@ -77,6 +68,18 @@ def all_reduce_grads(params) -> None:
     for g in grads:
         g.copy_(flat[off:off + g.numel()].view_as(g))
         off += g.numel()
+
+
+def train_step(loss, dense_params, opt) -> float:
+    """Backward, the data-parallel all-reduce, the optimizer step; returns the global
+    loss (the sum over ranks of ``loss``)."""
+    loss.backward()
+    all_reduce_grads(dense_params)
+    opt.step()
+    total = loss.detach().clone()
+    with CLOCK:
+        dist.all_reduce(total)
+    return total.item()
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
