@@ -236,7 +236,7 @@ class FP16(_Blocked):
         scale[amax == 0] = 1.0
         scales[...] = scale
         h = payload.view(np.float16).reshape(x2.shape)
-        h[...] = x2 * (1.0 / scale).astype(x2.dtype)[:, None]
+        xp.multiply(x2, (1.0 / scale).astype(x2.dtype)[:, None], out=h, casting="unsafe")
 
     def _decode_rows(self, scales, payload, out2) -> None:
         h = payload.view(np.float16).reshape(out2.shape)

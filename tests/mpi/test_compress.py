@@ -271,3 +271,18 @@ def test_fsdp2_through_the_registered_backend_trains_to_the_same_loss():
     assert comp != plain  # compression was in the path
     final_plain, final_comp = np.mean(plain[-5:]), np.mean(comp[-5:])
     assert abs(final_comp - final_plain) <= 0.01 * final_plain, (final_plain, final_comp)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_calls_follow_the_process_default(monkeypatch, jit):
+    """mcrdl_jax has no compression= keyword yet: MCRDL_COMPRESSION reaches its eager
+    calls and, under jit, the calls that run through the host callback (gloo)."""
+    jax = pytest.importorskip("jax")
+    import mcrdl_jax as mj
+
+    monkeypatch.setenv("MCRDL_COMPRESSION", "all_gather=int8")
+    x = data(RANK, 512, 14)
+    fn = (lambda a: mj.all_gather(a, backend="gloo", tiled=True))
+    y = np.asarray((jax.jit(fn) if jit else fn)(jax.numpy.asarray(x)))
+    for k in range(SIZE):
+        assert np.array_equal(y[k * 512:(k + 1) * 512], local_round_trip("int8", data(k, 512, 14)))
