@@ -76,17 +76,23 @@ class ProgressEngine:
     def reap(self) -> None:
         """Release pending works oldest first, stopping at the first still running (one
         stream completes in order: this stays O(1) per call). A ``release()`` that finds
-        an asynchronous error raises it here, once, naming its op."""
+        an asynchronous error raises it here, once, naming its op. Safe to run from two
+        threads at once (a wait that returned at once holds no engine lock): each step is
+        one list operation, and a work another thread dropped is simply gone."""
         pending = self.pending
-        n = 0
-        try:
-            for w in pending:
-                n += 1
-                if not w.release():
-                    n -= 1
-                    break
-        finally:
-            del pending[:n]
+        while pending:
+            try:
+                w = pending[0]
+            except IndexError:  # emptied by another thread meanwhile
+                return
+            try:
+                done = w.release()
+            except BaseException:
+                _drop(pending, w)  # its error is reported once
+                raise
+            if not done:
+                return
+            _drop(pending, w)
 
     def backends_in_flight(self) -> set:
         return {w.backend for w in self.inflight}
@@ -160,6 +166,14 @@ class ProgressEngine:
             "Most likely a rank of the group did not make the matching call, or made it "
             "with another size, root or backend: run with MCRDL_DEBUG=1 to check the "
             "arguments across ranks, or raise MCRDL_TIMEOUT if the op is just slow.")
+
+
+def _drop(works: list, work) -> None:
+    """Remove ``work`` from ``works`` if still there (another thread may have)."""
+    try:
+        works.remove(work)
+    except ValueError:
+        pass
 
 
 _ENGINE = ProgressEngine()
