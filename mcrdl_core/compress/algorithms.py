@@ -5,8 +5,11 @@ Works it must see completed and returns True, or False when a block could not be
 carried (zfp on NaN/Inf). ``P`` ranks, this rank ``r``; ``next = r+1``, ``prev = r-1``
 (mod P). Every rank's block of ``n`` elements is cut into chunks (``Layout``): each
 chunk is encoded, sent and decoded on its own, so the codec's work on one chunk overlaps
-the transfer of another. All receives are posted up front (each into its own slot), so
-a message never waits for its receive to be posted.
+the transfer of another. On host backends (MPI, Gloo) all receives are posted up front
+(each into its own slot), so a message never waits for its receive to be posted; on a
+stream-ordered one (NCCL, which has ``batch_p2p``) each receive is issued in one group
+with the send of the same step, since a receive queued ahead of a send on the
+communicator's stream would block it (``_Posts``).
 
 - ``ring_all_gather`` (the seed paper's collective compression): encode the own block
   once; at step s forward the bytes of block (r-s-1) unchanged; decode every block once,
@@ -59,22 +62,46 @@ class Layout:
         return arr[lo:lo + self.enc[c]]
 
 
+class _Posts:
+    """The sends and receives of a ring: ``send(s, c, buf)`` sends chunk c of step s to
+    the next rank; ``recv(s, c)`` is the Work receiving chunk c of step s from the
+    previous rank into ``rslot(s, c)``."""
+
+    def __init__(self, ch, steps: int, chunks: int, rslot, tag0: int):
+        self.ch, self.rslot, self.tag0, self.chunks = ch, rslot, tag0, chunks
+        self.recvs, self.sends = {}, []
+        if ch.prepost:
+            for s in range(steps):
+                for c in range(chunks):
+                    self.recvs[s, c] = ch.recv(rslot(s, c), ch.prev, self.tag(s, c))
+
+    def tag(self, s: int, c: int) -> int:
+        return self.tag0 + s * self.chunks + c
+
+    def send(self, s: int, c: int, buf) -> None:
+        ch = self.ch
+        if ch.prepost:
+            self.sends.append(ch.send(buf, ch.next, self.tag(s, c)))
+        else:
+            w = ch.sendrecv(buf, ch.next, self.rslot(s, c), ch.prev, self.tag(s, c))
+            self.sends.append(w)
+            self.recvs[s, c] = w
+
+    def recv(self, s: int, c: int):
+        return self.recvs[s, c]
+
+
 def ring_all_gather(ch, lay: Layout, x, res, per_hop: bool = False, tag0: int = 0):
     """``x``: this rank's n values; ``res``: P*n values out (work dtype)."""
     codec, P, r, C = lay.codec, ch.size, ch.rank, lay.chunks
     enc = ch.staging(P * lay.nbytes)
     A = enc.array()
     ok = True
-    recvs = {}
-    for s in range(P - 1):
-        k = (r - s - 1) % P
-        for c in range(C):
-            recvs[s, c] = ch.recv(lay.epart(enc, c, k), ch.prev, tag0 + s * C + c)
-    sends = []
+    ring = _Posts(ch, P - 1, C, lambda s, c: lay.epart(enc, c, (r - s - 1) % P), tag0)
     for c in range(C):
         codec.encode(lay.part(x, c), lay.epart(A, c, r))
         if P > 1:
-            sends.append(ch.send(lay.epart(enc, c, r), ch.next, tag0 + c))
+            ring.send(0, c, lay.epart(enc, c, r))
     for c in range(C):
         if per_hop:
             lay.part(res, c, r)[...] = lay.part(x, c)
@@ -83,17 +110,17 @@ def ring_all_gather(ch, lay: Layout, x, res, per_hop: bool = False, tag0: int = 
     for s in range(P - 1):
         k = (r - s - 1) % P
         for c in range(C):
-            yield recvs[s, c]
+            yield ring.recv(s, c)
             out = lay.part(res, c, k)
             if per_hop or s == P - 2:
                 ok &= codec.decode(lay.epart(A, c, k), out)
             if s < P - 2:
                 if per_hop:
                     codec.encode(out, lay.epart(A, c, k))
-                sends.append(ch.send(lay.epart(enc, c, k), ch.next, tag0 + (s + 1) * C + c))
+                ring.send(s + 1, c, lay.epart(enc, c, k))
                 if not per_hop:
                     ok &= codec.decode(lay.epart(A, c, k), out)
-    yield sends
+    yield ring.sends
     return bool(ok)
 
 
@@ -105,19 +132,17 @@ def ring_reduce_scatter(ch, lay: Layout, x, res, tag0: int = 0):
         return True
     rbuf, sbuf = ch.staging((P - 1) * lay.nbytes), ch.staging((P - 1) * lay.nbytes)
     R, S = rbuf.array(), sbuf.array()
-    recvs = {(s, c): ch.recv(lay.epart(rbuf, c, s), ch.prev, tag0 + s * C + c)
-             for s in range(P - 1) for c in range(C)}
-    sends = []
+    ring = _Posts(ch, P - 1, C, lambda s, c: lay.epart(rbuf, c, s), tag0)
     for c in range(C):
         codec.encode(lay.part(x, c, (r - 1) % P), lay.epart(S, c, 0))
-        sends.append(ch.send(lay.epart(sbuf, c, 0), ch.next, tag0 + c))
+        ring.send(0, c, lay.epart(sbuf, c, 0))
     tmp = np.empty(0)
     ok = True
     for s in range(P - 1):
         k = (r - s - 2) % P
         last = s == P - 2
         for c in range(C):
-            yield recvs[s, c]
+            yield ring.recv(s, c)
             if last:
                 acc = lay.part(res, c)
             else:
@@ -130,8 +155,8 @@ def ring_reduce_scatter(ch, lay: Layout, x, res, tag0: int = 0):
                 ok &= intact
             else:
                 codec.encode(acc, lay.epart(S, c, s + 1))
-                sends.append(ch.send(lay.epart(sbuf, c, s + 1), ch.next, tag0 + (s + 1) * C + c))
-    yield sends
+                ring.send(s + 1, c, lay.epart(sbuf, c, s + 1))
+    yield ring.sends
     return bool(ok)
 
 

@@ -67,6 +67,7 @@ class Channel:
         self.prev, self.next = (self.rank - 1) % self.size, (self.rank + 1) % self.size
         self._backend = backend
         self._chosen: dict = {}
+        self._prepost = None
 
     def staging(self, nbytes: int) -> Buffer:
         """Fresh bytes on the call's device (encoded data lives here)."""
@@ -84,12 +85,49 @@ class Channel:
     def recv(self, buf: Buffer, peer: int, tag: int) -> Work:
         return self.backend(Op.RECV, buf).recv(self.group, buf, peer, TAG_BASE + tag % TAG_SPAN)
 
+    @property
+    def prepost(self) -> bool:
+        """True: receives may be posted ahead of sends (host backends). False for a
+        backend that runs point-to-point in order on a stream (``batch_p2p``: NCCL)."""
+        if self._prepost is None:
+            be = self.backend(Op.SEND, self.staging(1))
+            self._prepost = not (self.force_paired or hasattr(be, "batch_p2p"))
+        return self._prepost
+
+    #: tests set this to run the paired (NCCL-style) schedule on a host backend
+    force_paired = False
+
+    def sendrecv(self, sbuf: Buffer, speer: int, rbuf: Buffer, rpeer: int, tag: int) -> Work:
+        """One send and one receive issued together (one NCCL group where the backend
+        has ``batch_p2p``); one Work for both."""
+        be = self.backend(Op.SEND, sbuf)
+        if hasattr(be, "batch_p2p"):
+            return be.batch_p2p(self.group, [(sbuf, speer)], [(rbuf, rpeer)])
+        return _Both(self.send(sbuf, speer, tag), self.recv(rbuf, rpeer, tag))
+
     def all_to_all(self, out: Buffer, inp: Buffer) -> Work:
         counts = [inp.numel // self.size] * self.size
         return self.backend(Op.ALL_TO_ALL, inp).all_to_all(self.group, out, inp, counts, counts)
 
     def all_gather(self, out: Buffer, inp: Buffer) -> Work:
         return self.backend(Op.ALL_GATHER, inp).all_gather(self.group, out, inp)
+
+
+class _Both(Work):
+    """A send and a receive as one Work (the paired schedule on a host backend)."""
+
+    def __init__(self, a: Work, b: Work):
+        super().__init__(a.backend, Op.RECV, a.group, desc=f"{a.desc} + {b.desc}")
+        self.parts = (a, b)
+        self.host_progress = a.host_progress or b.host_progress
+
+    def _poll(self) -> bool:
+        for w in self.parts:
+            if not w.test():
+                return False
+            if w._error is not None:
+                raise w._error
+        return True
 
 
 # --- dtype conversions between a call's buffers and the arrays the codecs work on ------

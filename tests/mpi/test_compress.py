@@ -286,3 +286,24 @@ def test_jax_calls_follow_the_process_default(monkeypatch, jit):
     y = np.asarray((jax.jit(fn) if jit else fn)(jax.numpy.asarray(x)))
     for k in range(SIZE):
         assert np.array_equal(y[k * 512:(k + 1) * 512], local_round_trip("int8", data(k, 512, 14)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paired_schedule_of_stream_backends(backend, monkeypatch):
+    """The schedule NCCL gets (each receive issued with the send of its step, nothing
+    posted ahead), run here on a host backend: same bits as the pre-posted one."""
+    from mcrdl_core.compress import Compression
+    from mcrdl_core.compress.schedule import Channel
+
+    x = data(RANK, 5000, 15)
+    y = data(RANK, SIZE * 2000, 16)
+    results = []
+    for paired in (False, True):
+        monkeypatch.setattr(Channel, "force_paired", paired)
+        out = np.empty(SIZE * 5000, np.float32)
+        mc.all_gather_into_tensor(out, x, backend=backend, compression=Compression("int8", chunks=2))
+        rs = np.empty(2000, np.float32)
+        mc.reduce_scatter_tensor(rs, y, backend=backend, compression=Compression("int4", chunks=3))
+        results.append((out, rs))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert np.array_equal(results[0][1], results[1][1])
