@@ -138,8 +138,7 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
                                        f"the plan's {plan.global_shape}")
     dt = _dt.lookup(plan.dtype)
     shape = plan.global_shape
-    src_box = plan.src.tile(shape, rank)
-    dst_box = plan.dst.tile(shape, rank)
+    src_box, dst_box = _ex.tiles(plan, rank)
     src_arr = out_arr = None
     if src_box is not None:
         if buf is None:
@@ -174,7 +173,8 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
     if src_box is None and dst_box is None:
         _ex.register_groups(plan, _ex.uses_chain(plan, backend, chain))
         return None
-    log.debug("rank %d: %s", rank, plan.summary())
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("rank %d: %s", rank, plan.summary())
     _ex.run(plan, rank, src_arr, out_arr, backend, chain, segment)
     if out is not None:
         return out

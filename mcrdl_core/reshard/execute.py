@@ -87,6 +87,16 @@ def chain_order(plan: Plan, t) -> list:
     return [t.sender] + [r for rs in first + others for r in rs]
 
 
+def tiles(plan: Plan, rank: int) -> tuple:
+    """(source tile, destination tile) boxes of ``rank`` (None where it holds none)."""
+    key = ("tiles", rank)
+    hit = plan.cache.get(key)
+    if hit is None:
+        shape = plan.global_shape
+        hit = plan.cache[key] = (plan.src.tile(shape, rank), plan.dst.tile(shape, rank))
+    return hit
+
+
 def _slices(box, origin) -> tuple:
     if not box:
         return (Ellipsis,)
@@ -118,9 +128,7 @@ class _Ctx:
         self.backend = backend
         self.chain = chain
         self.segment = segment
-        shape = plan.global_shape
-        self.src_tile = plan.src.tile(shape, rank) if src_arr is not None else None
-        self.dst_tile = plan.dst.tile(shape, rank) if out_arr is not None else None
+        self.src_tile, self.dst_tile = tiles(plan, rank)
 
     def source_bytes(self, box):
         v = self.src[_slices(box, self.src_tile)]
