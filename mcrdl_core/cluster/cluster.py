@@ -28,7 +28,7 @@ import time
 
 from . import system as _sys
 from .errors import ClusterError, ClusterSpecError
-from .spec import HOST_IFACE, NETWORK, SWITCH_NAME, ClusterSpec, format_delay, format_rate
+from .spec import HOST_IFACE, NETWORK, SWITCH_NAME, ClusterSpec
 
 log = logging.getLogger("mcrdl.cluster")
 
@@ -244,8 +244,7 @@ exec ip netns exec "{s.name}-$host" nsenter --uts="{self.state_dir}/uts/$host" -
     def summary(self) -> str:
         s = self.spec
         return (f"{s.describe()}; machine {self.machine}; hosts "
-                + ", ".join(f"{h}={s.address(h)}" for h in s.host_names)
-                + f"; rate {format_rate(s.rate_bits)}, delay {format_delay(s.delay_s)}")
+                + ", ".join(f"{h}={s.address(h)}" for h in s.host_names))
 
 
 def existing() -> list[str]:

@@ -109,7 +109,8 @@ def cmd_run(args) -> int:
     moved = {h: {k: after[h][k] - before.get(h, {}).get(k, 0) for k in after[h]} for h in after}
     seconds = time.monotonic() - t0
     print("mcrdl cluster: link bytes " + "; ".join(
-        f"{h} sent {c['sent_bytes'] / 2**20:.2f} MiB, received {c['received_bytes'] / 2**20:.2f} MiB"
+        f"{h} sent {c['sent_bytes'] / 2**20:.2f} MiB, "
+        f"received {c['received_bytes'] / 2**20:.2f} MiB"
         for h, c in moved.items()) + f"; program exit status {rc}, {seconds:.1f} s",
         file=sys.stderr, flush=True)
     if args.report:
@@ -124,9 +125,11 @@ def cmd_up(args) -> int:
     cluster = Cluster(_spec(args, args.name)).build()
     cluster.keep()
     print(cluster.spec.name)
-    print(f"mcrdl cluster: up: {cluster.summary()}\n  run on it:  mcrdl cluster run -- PROGRAM"
-          f"\n  one host:   mcrdl cluster exec h0 -- COMMAND\n  remove it:  mcrdl cluster down"
-          f" --name {cluster.spec.name}", file=sys.stderr)
+    name = cluster.spec.name
+    print(f"mcrdl cluster: up: {cluster.summary()}\n"
+          f"  run on it:  mcrdl cluster run --name {name} -- PROGRAM\n"
+          f"  one host:   mcrdl cluster exec --name {name} h0 -- COMMAND\n"
+          f"  remove it:  mcrdl cluster down --name {name}", file=sys.stderr)
     return 0
 
 

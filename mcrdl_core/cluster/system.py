@@ -154,7 +154,8 @@ def shape(ns: str, dev: str, rate_bits: int | None, delay_s: float | None) -> No
         r = sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                "delay", f"{delay_s * 1e6:.0f}us", "limit", "100000", check=False)
         if r.returncode != 0:
-            raise ClusterError(f"cannot add a delay on {dev}: {r.stderr.strip()}. This kernel "
+            why = r.stderr.strip().rstrip(".")
+            raise ClusterError(f"cannot add a delay on {dev}: {why}. This kernel "
                                "has no netem queueing discipline (module sch_netem); load it "
                                "(modprobe sch_netem) or leave out --delay")
         parent = ["parent", "1:1", "handle", "10:"]
