@@ -7,8 +7,19 @@ else Gloo) that does not depend on what the call chose, so every rank sees the s
 table and raises the same MismatchError naming the ranks that differ, instead of
 hanging or corrupting memory. Point-to-point calls are not checked (only two ranks
 take part; a mismatch there is reported by the timeout).
+
+The signature also carries the call's *role*: a label that frameworks set around the
+calls they issue on the user's behalf (the JAX frontend: "backward of all_reduce"
+inside a derivative rule; plain calls are "call"). Two ranks whose n-th collectives
+are the same op but play different roles (one rank's backward call met by another
+rank's next forward call, when only some ranks differentiate through a collective)
+are reported instead of exchanging wrong data.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import zlib
 
 import numpy as np
 
@@ -20,7 +31,37 @@ from .ops import Op, ReduceOp
 
 _OPS = list(Op)
 _REDUCE = list(ReduceOp)
-_FIELDS = ("op", "backend", "dtype", "device", "reduce op", "root", "elements per rank")
+_FIELDS = ("op", "backend", "dtype", "device", "reduce op", "root", "elements per rank",
+           "role")
+_ROLE = contextvars.ContextVar("mcrdl_debug_role", default="call")
+_ROLE_NAMES = {}  # code -> label, for messages
+
+
+def declare_role(name: str) -> int:
+    """Make a role's label known to this process (so that a message can name it even if
+    only another rank used it); returns its code, the same on every rank."""
+    code = zlib.crc32(name.encode())
+    _ROLE_NAMES[code] = name
+    return code
+
+
+_role_code = declare_role
+
+
+@contextlib.contextmanager
+def role(name: str):
+    """Label the collectives issued inside the block (``"backward of all_reduce"``);
+    debug mode compares the label across ranks. Declare labels up front
+    (``declare_role``) so that every rank's messages can name them."""
+    token = _ROLE.set(name)
+    try:
+        yield
+    finally:
+        _ROLE.reset(token)
+
+
+def current_role() -> str:
+    return _ROLE.get()
 
 
 def _backend_names():
@@ -42,10 +83,12 @@ def _decode_shape(part):
     return "unchecked" if ndim < 0 else str(tuple(int(d) for d in part[1:1 + min(ndim, _MAX_DIMS)]))
 
 
-def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n, shape=None):
+def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n, shape=None,
+            role_name="call"):
     head = [_OPS.index(op), _backend_names().index(backend), _dt.ALL.index(dtype),
             0 if device.kind == "cpu" else 1, -1 if reduce_op is None else _REDUCE.index(reduce_op),
-            -1 if root is None else root, -1 if count is None else count]
+            -1 if root is None else root, -1 if count is None else count,
+            _role_code(role_name)]
     tail = [0] * (2 * n)
     if counts is not None:
         out_counts, in_counts = counts
@@ -62,18 +105,20 @@ def _decode(row, field):
         "dtype": lambda: _dt.ALL[v].name,
         "device": lambda: ("cpu", "cuda")[v],
         "reduce op": lambda: "-" if v < 0 else _REDUCE[v].name,
+        "role": lambda: repr(_ROLE_NAMES.get(v, f"#{v}")),
     }.get(field, lambda: v)()
 
 
 def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None, counts=None,
-          shape=None):
+          shape=None, role_name=None):
     """``shape``: also compare the array shape (the JAX frontend passes it for traced
-    calls, where a shape that differs between ranks would otherwise hang or corrupt)."""
+    calls, where a shape that differs between ranks would otherwise hang or corrupt).
+    ``role_name``: the call's role (default: the innermost ``role()`` block's label)."""
     n = group.size
     if n == 1:
         return
     mine = _encode(op, backend.name, buf.dtype, buf.device, reduce_op, root, count, counts, n,
-                   shape)
+                   shape, current_role() if role_name is None else role_name)
     ctrl = rt.backend("mpi" if rt.unavailable_reason("mpi") is None else "gloo")
     inp = Buffer.from_numpy(mine)
     table = np.zeros((n, mine.size), dtype=np.int64)
@@ -92,13 +137,21 @@ def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None,
                             f"{_decode_shape(shapes[r])} where group rank 0 has shape "
                             f"{_decode_shape(shapes[0])}")
     if counts is not None:
-        out_m, in_m = table[:, 7:7 + n], table[:, 7 + n:]
+        h = len(_FIELDS)
+        out_m, in_m = table[:, h:h + n], table[:, h + n:]
         for i in range(n):
             for j in range(n):
                 if in_m[i, j] != out_m[j, i]:
                     problems.append(f"group rank {i} sends {in_m[i, j]} elements to group rank "
                                     f"{j}, which expects {out_m[j, i]}")
     if problems:
+        hint = ""
+        if (table[:, _FIELDS.index("role")] != table[0, _FIELDS.index("role")]).any():
+            hint = (" The roles differ: one rank's backward call met another rank's next "
+                    "call, which happens under jax.grad when only some ranks' objectives "
+                    "depend on a collective's output (those ranks skip its backward call). "
+                    "Make every rank's objective depend on the same collectives, e.g. add "
+                    "0 * jnp.sum(y) for an output y that a rank does not use.")
         raise MismatchError(f"mcrdl debug: {op} on {group.describe()} called inconsistently: "
                             + "; ".join(problems[:8]) + ". Make every rank pass the same "
-                            "shape, dtype, root and backend.")
+                            "shape, dtype, root and backend." + hint)

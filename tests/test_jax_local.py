@@ -1,5 +1,9 @@
-"""mcrdl_jax in one process: arrays it cannot take are refused with advice, before
-anything is sent (a subprocess, so that JAX can be given two CPU devices)."""
+"""mcrdl_jax in one process (each case in a subprocess: JAX with two CPU devices, or with
+an internal taken away before mcrdl_jax is imported): arrays it cannot take are refused
+with advice before anything is sent, under jax.grad too; a JAX without an internal the
+jit path needs is a clear error naming the supported versions; an mpi4jax without its
+shareable ordered effect turns the mpi4jax path off instead of splitting the token
+chain in two."""
 import os
 import subprocess
 import sys
@@ -16,16 +20,75 @@ try:
 except InvalidArgumentError as e:
     assert "sharded over 2 devices" in str(e), e
     print("refused:", e)
+try:  # the same check when the call runs eagerly from a derivative rule
+    jax.grad(lambda v: jnp.sum(mj.all_reduce(v, backend="mpi")))(x)
+    raise SystemExit("a sharded array was accepted under jax.grad")
+except InvalidArgumentError as e:
+    assert "sharded over 2 devices" in str(e), e
 y = mj.all_reduce(x.addressable_shards[0].data, backend="mpi")   # one device: fine
 np.testing.assert_array_equal(np.asarray(y), [0.0, 1.0])
 print("ok")
 """
 
 
-def test_sharded_array_is_refused_with_advice():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               MCRDL_TUNING_TABLE="none", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+def _python(script: str, **env):
+    env = dict(os.environ, MCRDL_TUNING_TABLE="none", JAX_PLATFORMS="cpu", **env)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+def test_sharded_array_is_refused_with_advice():
+    proc = _python(SCRIPT, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "refused:" in proc.stdout and proc.stdout.strip().endswith("ok"), proc.stdout
+
+
+MISSING_INTERNAL = r"""
+import jax._src.callback as cb
+del cb.emit_python_callback              # as if JAX had moved it
+try:
+    import mcrdl_jax
+except ImportError as e:
+    from mcrdl_core.errors import McrdlError
+    assert isinstance(e, McrdlError), type(e)
+    print("refused:", e)
+"""
+
+
+def test_missing_jax_internal_is_a_clear_import_error():
+    proc = _python(MISSING_INTERNAL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "refused:" in out, out
+    assert "jax._src.callback.emit_python_callback" in out, out
+    assert "jax and jaxlib 0.10.x" in out and "mpi4jax 0.9.x" in out, out
+
+
+NO_MPI4JAX_EFFECT = r"""
+import logging
+logging.basicConfig(level=logging.WARNING)
+import mpi4jax._src.utils as u
+del u.ordered_effect                     # an mpi4jax whose token chain cannot be shared
+import jax, jax.numpy as jnp, numpy as np
+import mcrdl_jax as mj
+from mcrdl_jax import callback
+assert callback.MPI4JAX is None
+def f(a, b):
+    return mj.all_reduce(a, backend="mpi"), mj.all_gather(b, backend="gloo")
+x = jnp.arange(3.0)
+effects = jax.make_jaxpr(f)(x, x).effects
+assert len(effects) == 1, effects        # one token chain for both backends
+text = jax.jit(f).lower(x, x).as_text()
+assert "mpi_allreduce" not in text and "python_cpu_callback" in text
+s, g = jax.jit(f)(x, x)
+np.testing.assert_array_equal(np.asarray(s), [0.0, 1.0, 2.0])
+np.testing.assert_array_equal(np.asarray(g), [[0.0, 1.0, 2.0]])
+print("ok")
+"""
+
+
+def test_mpi4jax_without_its_ordered_effect_is_not_used():
+    proc = _python(NO_MPI4JAX_EFFECT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("ok"), proc.stdout
+    assert "does not expose its ordered effect" in proc.stderr, proc.stderr

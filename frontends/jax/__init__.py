@@ -28,24 +28,29 @@ import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import ReduceOp  # noqa: F401  (public name)
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.errors import InvalidArgumentError
 
 from . import eager as _eager
+from .compat import check_internals, trace_state_clean
 from .shapes import leading_blocks
 
-_traced_comm = []  # non-empty once a jitted program with a communication was traced
+check_internals()  # the JAX internals of the jit path: a clear error now, not mid-trace
+_trace_state_clean = trace_state_clean()
 
 
 def _diff():
     """The traced path, imported on first use."""
     from . import autodiff
-    if not _traced_comm:
-        _traced_comm.append(True)
+    _eager.saw_traced_call()
     return autodiff
 
 
 def _traced(*xs) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in xs)
+    """True for traced arguments, and for any argument while a JAX transformation (jit,
+    grad, vmap, a loop body) is tracing: an array closed over by a jitted function, or
+    made inside it with NumPy, is concrete, but its communication belongs in the
+    program (run once per execution), not run once while tracing and baked in."""
+    return not _trace_state_clean() or any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def _check(x, what: str = "x"):
@@ -55,37 +60,14 @@ def _check(x, what: str = "x"):
     return x
 
 
-def _placement(x, what: str) -> None:
-    """Concrete JAX arrays must live on one CPU device (GPU JAX arrays: go through
-    ``mcrdl_core``'s calls, which take them by DLPack; see docs/gpu.md)."""
-    if not isinstance(x, jax.Array):
-        return
-    dev = getattr(x.sharding, "_device", None)
-    if dev is None:
-        devs = x.devices()
-        if len(devs) != 1:
-            raise InvalidArgumentError(
-                f"mcrdl_jax: {what} is sharded over {len(devs)} devices; each process passes "
-                "its own single-device array (x.addressable_shards[0].data)")
-        dev = next(iter(devs))
-    if dev.platform != "cpu":
-        raise UnsupportedError(
-            f"mcrdl_jax: {what} is on {dev.platform}; mcrdl_jax handles CPU arrays so far. "
-            "Pass GPU arrays to mcrdl_core's calls (mcrdl_core.all_reduce(x, ...)), which take "
-            "them through DLPack on every backend")
-
-
 def _path(*xs):
-    """autodiff (traced values) or eager (concrete ones, after in-flight jitted
-    communication has finished)."""
+    """autodiff (inside a transformation) or eager (after the placement check and after
+    in-flight jitted communication has finished)."""
     for i, x in enumerate(xs):
         _check(x, "x" if i == 0 else "like")
     if _traced(*xs):
         return _diff()
-    for i, x in enumerate(xs):
-        _placement(x, "x" if i == 0 else "like")
-    if _traced_comm:
-        jax.effects_barrier()
+    _eager.ready(*xs)
     return _eager
 
 
@@ -163,8 +145,7 @@ def sendrecv(sendbuf, recvbuf_like, source: int, dest: int, group=None, tag: int
 
 def barrier(group=None, backend=None) -> None:
     """Always eager (it takes no array); waits for in-flight jitted communication first."""
-    if _traced_comm:
-        jax.effects_barrier()
+    _eager.ready()
     _core.barrier(group, backend=backend)
 
 

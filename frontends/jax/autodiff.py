@@ -50,10 +50,14 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from mcrdl_core import debug as _debug
 from mcrdl_core.errors import UnsupportedError
 from mcrdl_core.ops import ReduceOp
 
 from . import eager, lowering
+from .compat import trace_state_clean
+
+_trace_state_clean = trace_state_clean()
 
 # where the batch axis goes in the first array so that the op sees its own axis first
 _IN_AXIS = {"reduce_scatter": 1, "all_to_all": 1, "scatter": 1}
@@ -64,8 +68,12 @@ def concrete(*xs) -> bool:
 
 
 def run(name, arrays, statics):
-    """The op on concrete arrays (eager) or on traced ones (the jit lowering, mappable)."""
-    if concrete(*arrays):
+    """The op on concrete arrays outside any trace (eager, after ``eager.ready``: the
+    placement check and the wait for in-flight jitted communication), else on traced
+    ones (the jit lowering, mappable). Derivative rules run eagerly under an eager
+    ``jax.grad``, and the vmap rule under an eager ``jax.vmap``: both come here."""
+    if concrete(*arrays) and _trace_state_clean():
+        eager.ready(*arrays)
         return getattr(eager, name)(*arrays, *statics)
     return _mappable(name, list(arrays), statics)
 
@@ -83,7 +91,9 @@ def _mappable(name, arrays, statics):
         arrs = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
                 for a, b in zip(arrs, in_batched)]
         first = jnp.moveaxis(arrs[0], 0, in_axis)
-        out = _mappable(name, [first, *arrs[1:]], statics)  # nested vmaps nest here
+        # concrete arrays (an eager vmap) run eagerly: building a new mappable for them
+        # would compile a new program on every call; nested vmaps nest here
+        out = run(name, [first, *arrs[1:]], statics)
         if name == "send":
             return out, False  # the token is one scalar
         if name in ("all_gather", "gather"):  # a new leading axis where one was stacked
@@ -116,21 +126,30 @@ def _scale(ct, op, group):
 
 def _vjp(name, n_arrays, n_statics, check, bwd):
     """A custom_vjp op: ``check(*statics)`` runs when a gradient is asked for (before
-    anything is sent); ``bwd(statics, residual_arrays, ct)`` returns the cotangents."""
+    anything is sent); ``bwd(statics, residual_arrays, ct)`` returns the cotangents.
+
+    Both rules are written with the differentiable ops themselves (the forward rule
+    calls the op, the backward rule calls the ops of the table above), so that the
+    derivative can be differentiated again (Hessian-vector products, reverse over
+    reverse). The backward rule's calls carry the debug role "backward of <op>"."""
     statics_at = tuple(range(n_arrays, n_arrays + n_statics))
+    role = f"backward of {name}"
+    _debug.declare_role(role)
 
     def primal(*args):
         return run(name, args[:n_arrays], args[n_arrays:])
 
+    f = jax.custom_vjp(primal, nondiff_argnums=statics_at)
+
     def fwd(*args):
         check(*args[n_arrays:])
-        return primal(*args), tuple(args[:n_arrays])
+        return f(*args), tuple(args[:n_arrays])
 
     def back(*args):
         *statics, res, ct = args
-        return tuple(bwd(statics, res, ct))
+        with _debug.role(role):
+            return tuple(bwd(statics, res, ct))
 
-    f = jax.custom_vjp(primal, nondiff_argnums=statics_at)
     f.defvjp(fwd, back)
     return f
 
@@ -139,10 +158,17 @@ def _none(*statics):
     return None
 
 
+def _zero_after(zeros, used):
+    """``zeros``, made to depend on ``used`` (the output of a call this rank made in a
+    backward rule and does not need): a second derivative then reaches that call on
+    this rank too, as it does on the ranks that use its output, and the ranks meet."""
+    return zeros + 0 * used
+
+
 # --- the ops ------------------------------------------------------------------------------
 def _all_reduce_bwd(st, res, ct):
     op, group, backend = st
-    return [run("all_reduce", [ct], (op, group, backend))]
+    return [all_reduce(ct, op, group, backend)]
 
 
 all_reduce = _vjp("all_reduce", 1, 3, lambda op, g, b: _linear(op, "all_reduce"),
@@ -151,7 +177,7 @@ all_reduce = _vjp("all_reduce", 1, 3, lambda op, g, b: _linear(op, "all_reduce")
 
 def _reduce_bwd(st, res, ct):
     dst, op, group, backend = st
-    from_root = _scale(run("broadcast", [ct], (dst, group, backend)), ReduceOp.coerce(op), group)
+    from_root = _scale(broadcast(ct, dst, group, backend), ReduceOp.coerce(op), group)
     me, _ = _rank(group)
     return [from_root if me == dst else ct + from_root]
 
@@ -161,8 +187,8 @@ reduce = _vjp("reduce", 1, 4, lambda dst, op, g, b: _linear(op, "reduce"), _redu
 
 def _broadcast_bwd(st, res, ct):
     src, group, backend = st
-    total = run("reduce", [ct], (src, ReduceOp.SUM, group, backend))
-    return [total if _rank(group)[0] == src else jnp.zeros_like(ct)]
+    total = reduce(ct, src, ReduceOp.SUM, group, backend)
+    return [total if _rank(group)[0] == src else _zero_after(jnp.zeros_like(ct), total)]
 
 
 broadcast = _vjp("broadcast", 1, 3, _none, _broadcast_bwd)
@@ -171,7 +197,7 @@ broadcast = _vjp("broadcast", 1, 3, _none, _broadcast_bwd)
 def _all_gather_bwd(st, res, ct):
     group, backend = st
     (x,) = res
-    return [run("reduce_scatter", [ct], (ReduceOp.SUM, group, backend)).reshape(x.shape)]
+    return [reduce_scatter(ct, ReduceOp.SUM, group, backend).reshape(x.shape)]
 
 
 all_gather = _vjp("all_gather", 1, 2, _none, _all_gather_bwd)
@@ -180,7 +206,7 @@ all_gather = _vjp("all_gather", 1, 2, _none, _all_gather_bwd)
 def _reduce_scatter_bwd(st, res, ct):
     op, group, backend = st
     (x,) = res
-    full = run("all_gather", [ct], (group, backend)).reshape(x.shape)
+    full = all_gather(ct, group, backend).reshape(x.shape)
     return [_scale(full, ReduceOp.coerce(op), group)]
 
 
@@ -190,7 +216,15 @@ reduce_scatter = _vjp("reduce_scatter", 1, 3, lambda op, g, b: _linear(op, "redu
 
 def _all_to_all_bwd(st, res, ct):
     group, backend, in_splits, out_splits = st
-    return [run("all_to_all", [ct], (group, backend, out_splits, in_splits))]
+    (x,) = res
+    if in_splits or out_splits:
+        # a missing list means "even split of x" in the forward call; in the backward
+        # call it would mean "even split of the cotangent", which is not the same when
+        # the other list is uneven: make both explicit before swapping them
+        n = _rank(group)[1].size
+        even = (x.shape[0] // n,) * n
+        in_splits, out_splits = in_splits or even, out_splits or even
+    return [all_to_all(ct, group, backend, out_splits, in_splits)]
 
 
 all_to_all = _vjp("all_to_all", 1, 4, _none, _all_to_all_bwd)
@@ -201,9 +235,9 @@ def _gather_bwd(st, res, ct):
     (x,) = res
     me, g = _rank(group)
     if me == dst:
-        return [run("scatter", [ct], (dst, group, backend))]
+        return [scatter(ct, dst, group, backend)]
     # off the root the output was the input itself; the scatter still needs this rank
-    block = run("scatter", [jnp.zeros((g.size, *x.shape), ct.dtype)], (dst, group, backend))
+    block = scatter(jnp.zeros((g.size, *x.shape), ct.dtype), dst, group, backend)
     return [ct + block]
 
 
@@ -213,8 +247,8 @@ gather = _vjp("gather", 1, 3, _none, _gather_bwd)
 def _scatter_bwd(st, res, ct):
     src, group, backend = st
     (x,) = res
-    stacked = run("gather", [ct], (src, group, backend))
-    return [stacked if _rank(group)[0] == src else jnp.zeros_like(x)]
+    stacked = gather(ct, src, group, backend)
+    return [stacked if _rank(group)[0] == src else _zero_after(jnp.zeros_like(x), stacked)]
 
 
 scatter = _vjp("scatter", 1, 3, _none, _scatter_bwd)
@@ -223,7 +257,7 @@ scatter = _vjp("scatter", 1, 3, _none, _scatter_bwd)
 def _send_bwd(st, res, ct):
     dst, group, tag, backend = st
     (x,) = res
-    return [run("recv", [x], (dst, group, tag, backend))]
+    return [recv(x, dst, group, tag, backend)]
 
 
 send = _vjp("send", 1, 4, _none, _send_bwd)
@@ -237,8 +271,10 @@ def _recv_check(src, group, tag, backend):
 
 def _recv_bwd(st, res, ct):
     src, group, tag, backend = st
-    run("send", [ct], (src, group, tag, backend))
-    return [jnp.zeros_like(ct)]
+    token = send(ct, src, group, tag, backend)
+    # the token joins the (zero) cotangent of ``like``, as the send rule asks of every
+    # objective, so that a second derivative reaches this send too
+    return [_zero_after(jnp.zeros_like(ct), token.astype(ct.dtype))]
 
 
 recv = _vjp("recv", 1, 4, _recv_check, _recv_bwd)
@@ -247,7 +283,7 @@ recv = _vjp("recv", 1, 4, _recv_check, _recv_bwd)
 def _sendrecv_bwd(st, res, ct):
     source, dest, group, tag, backend = st
     sendbuf, _ = res
-    back = run("sendrecv", [ct, sendbuf], (dest, source, group, tag, backend))
+    back = sendrecv(ct, sendbuf, dest, source, group, tag, backend)
     return [back, jnp.zeros_like(ct)]
 
 

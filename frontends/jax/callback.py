@@ -12,28 +12,41 @@ XLA's scheduler would otherwise do with two calls that share no data. (``jax's``
 ``io_callback`` has an ordered effect of its own, which XLA may reorder against
 mpi4jax's: that is why this module has its own primitive.)
 
-This uses JAX internals (``jax._src``), as mpi4jax does; it is checked against the
-JAX version the project pins in its tests.
+This uses JAX internals (``jax._src``), as mpi4jax does; ``compat.py`` checks them at
+import against the versions the project supports and tests.
 """
 from __future__ import annotations
 
 import numpy as np
-from jax._src import core as jcore
-from jax._src import dispatch, effects
-from jax._src.callback import emit_python_callback
-from jax._src.interpreters import mlir
 
-try:  # share mpi4jax's token so MPI calls and callbacks are ordered together
-    from mpi4jax._src.utils import ordered_effect as EFFECT
-except ImportError:  # no mpi4jax: an ordered effect of our own
-    class _CommEffect(effects.Effect):
-        __str__ = lambda self: "mcrdl-comm"  # noqa: E731
+from .compat import check_internals, mpi4jax_effect
 
+check_internals()  # a clear error naming the supported versions, before any jax._src use
+
+from jax._src import core as jcore  # noqa: E402
+from jax._src import dispatch, effects  # noqa: E402
+from jax._src.callback import emit_python_callback  # noqa: E402
+from jax._src.interpreters import mlir  # noqa: E402
+
+
+class _CommEffect(effects.Effect):
+    """mcrdl_jax's own ordered effect, used only when mpi4jax's cannot be shared (then
+    nothing lowers to mpi4jax: see compat.py)."""
+    __str__ = lambda self: "mcrdl-comm"  # noqa: E731
+
+
+MPI4JAX, EFFECT = mpi4jax_effect()  # share mpi4jax's token: MPI and callbacks in one chain
+if EFFECT is None:
     EFFECT = _CommEffect()
     for _kind in (effects.lowerable_effects, effects.ordered_effects,
                   effects.control_flow_allowed_effects,
                   effects.custom_derivatives_allowed_effects):
         _kind.add_type(_CommEffect)
+# jax.checkpoint (remat) around a communicating layer: JAX never replays an effectful
+# equation in the backward pass; it runs it once, in the forward pass, and keeps its
+# outputs as residuals (partial_eval_jaxpr_custom). So no rank re-issues a collective
+# that another rank would not, and the mpi4jax effect can be allowed there too.
+effects.remat_allowed_effects.add_type(type(EFFECT))
 
 
 class HostCall:

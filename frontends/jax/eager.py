@@ -14,8 +14,47 @@ import jax.numpy as jnp
 import numpy as np
 
 from mcrdl_core import dtypes as _dt
+from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
 
 from . import host
+
+_JITTED = []  # non-empty once a call took the traced path (jitted communication may exist)
+
+
+def saw_traced_call() -> None:
+    if not _JITTED:
+        _JITTED.append(True)
+
+
+def placement(x, what: str) -> None:
+    """Concrete JAX arrays must live on one CPU device (GPU JAX arrays: go through
+    ``mcrdl_core``'s calls, which take them by DLPack; see docs/gpu.md)."""
+    if not isinstance(x, jax.Array):
+        return
+    dev = getattr(x.sharding, "_device", None)
+    if dev is None:
+        devs = x.devices()
+        if len(devs) != 1:
+            raise InvalidArgumentError(
+                f"mcrdl_jax: {what} is sharded over {len(devs)} devices; each process passes "
+                "its own single-device array (x.addressable_shards[0].data)")
+        dev = next(iter(devs))
+    if dev.platform != "cpu":
+        raise UnsupportedError(
+            f"mcrdl_jax: {what} is on {dev.platform}; mcrdl_jax handles CPU arrays so far. "
+            "Pass GPU arrays to mcrdl_core's calls (mcrdl_core.all_reduce(x, ...)), which take "
+            "them through DLPack on every backend")
+
+
+def ready(*xs) -> None:
+    """Before any eager call, from the public API or from a derivative rule run eagerly
+    under ``jax.grad``: the arrays' placement is checked, and communication that jitted
+    programs left in flight is waited for (``jax.effects_barrier``), so that eager and
+    jitted calls on one communicator never overlap."""
+    for i, x in enumerate(xs):
+        placement(x, "x" if i == 0 else "like")
+    if _JITTED:
+        jax.effects_barrier()
 
 _TOKEN = []
 

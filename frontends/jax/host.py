@@ -124,11 +124,14 @@ def recv(shape, dtype, src, group, tag, backend):
     return out
 
 
-def sendrecv(sendbuf, shape, dtype, source, dest, group, tag, backend):
-    """Both posted before either is waited on, so a ring of them cannot deadlock."""
+def sendrecv(sendbuf, shape, dtype, source, dest, group, tag, backend, recv_backend=None):
+    """Both posted before either is waited on, so a ring of them cannot deadlock.
+    ``recv_backend``: the receive's backend when it differs from the send's (the jit
+    path selects each direction from its own size); default: ``backend``."""
     out = empty(tuple(shape), dtype)
     ws = _core.send(view(sendbuf), dest, group, tag, async_op=True, backend=backend)
-    wr = _core.recv(out, source, group, tag, async_op=True, backend=backend)
+    wr = _core.recv(out, source, group, tag, async_op=True,
+                    backend=backend if recv_backend is None else recv_backend)
     wr.wait()
     ws.wait()
     return out

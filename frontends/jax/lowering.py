@@ -32,18 +32,16 @@ from mcrdl_core.buffer import CPU, Buffer
 from mcrdl_core.ops import Op, ReduceOp
 
 from . import host
+from .callback import MPI4JAX as mpi4jax  # None: every call goes through the host callback
 from .callback import host_call
 from .shapes import leading_blocks
 
-try:
-    import mpi4jax
+if mpi4jax is not None:
     from mpi4py import MPI
 
     _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
                 ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
                 ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
-except ImportError:  # no mpi4jax: every call goes through the host callback
-    mpi4jax = None
 
 
 def _probe(x) -> Buffer:
@@ -56,15 +54,33 @@ def _probe(x) -> Buffer:
 def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, check=True,
            counts=None):
     """(group, backend name, reduce op) for a traced call: the same checks and selection
-    as an eager call, and in debug mode the cross-rank signature check (collectives).
-    ``root``: (global rank, argument name) of a rooted op."""
+    as an eager call, and in debug mode the cross-rank signature check (collectives),
+    once now, at trace time, and again each time the program runs, in program order
+    just before the call (``_debug_at_run_time``). ``root``: (global rank, argument
+    name) of a rooted op."""
     probe = _probe(x)
     rt, g, be, reduce_op = _prepare(op, group, probe, backend, reduce_op, nbytes)
     if rt.debug and check:
-        _debug.check(rt, g, op, be, probe, reduce_op=reduce_op,
-                     root=None if root is None else g.group_rank(*root), count=probe.numel,
-                     counts=counts, shape=None if counts else probe.shape)
+        sig = dict(reduce_op=reduce_op, root=None if root is None else g.group_rank(*root),
+                   count=probe.numel, counts=counts, shape=None if counts else probe.shape,
+                   role_name=_debug.current_role())
+        _debug.check(rt, g, op, be, probe, **sig)
+        _debug_at_run_time(rt, g, op, be, probe, sig)
     return g, be.name, reduce_op
+
+
+def _debug_at_run_time(rt, g, op, be, probe, sig) -> None:
+    """Debug mode under jit: the signature check as a host callback on the comm token.
+    A jitted program is traced once and run many times, and which collectives a run
+    issues can differ between ranks (under ``jax.grad``, a rank whose objective does not
+    depend on a collective's output skips its backward call): checked at run time, the
+    n-th call of one rank meets the n-th call of the others, and a different op, shape
+    or role (forward call against "backward of ...") is a MismatchError on every rank."""
+    def check():
+        _debug.check(rt, g, op, be, probe, **sig)
+        return ()
+
+    host_call(check, [], what=f"debug check of {op.value}")
 
 
 def _via_mpi4jax(be_name: str) -> bool:
@@ -148,17 +164,16 @@ def all_gather(x, group, backend):
 
 
 def reduce_scatter(x, op, group, backend):
+    """On every backend, MPI included, a host callback running the core's reduce-scatter
+    (MPI: ``Ireduce_scatter_block``), so that each rank receives only its 1/n block of
+    the reduction. mpi4jax has no reduce-scatter; its all-reduce and a slice would
+    deliver the whole reduction (n times the result) to every rank."""
     k = leading_blocks(x, _core.get_runtime().group(group).size, "reduce_scatter")
     block = k * int(np.prod(x.shape[1:], dtype=np.int64))
     g, be, op = _lower(Op.REDUCE_SCATTER, x, group, backend, op,
                        nbytes=block * x.dtype.itemsize)
-    if not _via_mpi4jax(be):
-        return _callback(lambda a: (host.reduce_scatter(a, op, g, be),),
-                         [_spec((k, *x.shape[1:]), x.dtype)], x, what="reduce_scatter")
-    # mpi4jax has no reduce-scatter: its all-reduce, then this rank's static slice
-    xw, back = _wide(x)
-    y = mpi4jax.allreduce(xw, op=_MPI_OPS[op], comm=_comm(g))[g.rank * k:(g.rank + 1) * k]
-    return back(_avg(y, op, g.size))
+    return _callback(lambda a: (host.reduce_scatter(a, op, g, be),),
+                     [_spec((k, *x.shape[1:]), x.dtype)], x, what="reduce_scatter")
 
 
 def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None):
@@ -232,10 +247,14 @@ def recv(like, src, group, tag, backend):
 
 
 def sendrecv(sendbuf, like, source, dest, group, tag, backend):
+    """Each direction selects its own backend from its own size, as the eager call does
+    (the peer sees a send or a recv of that size and picks the same). Both on MPI:
+    mpi4jax's sendrecv; otherwise one callback posting both before waiting on either."""
     g, be, _ = _lower(Op.SEND, sendbuf, group, backend, check=False)
-    if not _via_mpi4jax(be):
+    _, be_recv, _ = _lower(Op.RECV, like, group, backend, check=False)
+    if not (_via_mpi4jax(be) and _via_mpi4jax(be_recv)):
         return _callback(lambda a: (host.sendrecv(a, like.shape, like.dtype, source, dest, g,
-                                                  tag, be),),
+                                                  tag, be, be_recv),),
                          [_spec(like.shape, like.dtype)], sendbuf, what="sendrecv")
     sw, _ = _bits(sendbuf)
     lw, back = _bits(like)

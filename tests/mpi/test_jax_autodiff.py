@@ -197,3 +197,115 @@ def test_data_parallel_gradients_equal_single_process(backend, mode):
     want = jax.grad(_loss)(params, x, y)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_all_to_all_grad_with_only_output_splits_given(backend, mode):
+    """Rank r's input has n*(r+1) rows split evenly (input_split_sizes=None); every rank
+    receives j+1 rows from rank j (output_split_sizes=[1..n]). The backward all-to-all
+    must send the cotangent back with x's even split, not an even split of itself."""
+    outs = list(range(1, SIZE + 1))
+
+    def rows(r):
+        return SIZE * (r + 1)
+
+    def out_r(xs, r):  # rank r receives block r of each rank j's even split (j+1 rows)
+        return jnp.concatenate([xs[j][r * (j + 1):(r + 1) * (j + 1)] for j in range(SIZE)])
+
+    def objective(x):
+        y = mj.all_to_all(x, backend=backend, output_split_sizes=outs)
+        return jnp.sum(w_of(RANK, y.shape) * y)
+
+    grad = jax.jit(jax.grad(objective)) if mode == "jit" else jax.grad(objective)
+    g = grad(x_of(RANK, (rows(RANK), 2)))
+
+    def total(xs):
+        return sum(jnp.sum(w_of(r, out_r(xs, r).shape) * out_r(xs, r)) for r in range(SIZE))
+    want = jax.grad(total)([x_of(r, (rows(r), 2)) for r in range(SIZE)])[RANK]
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, err_msg=f"rank {RANK}")
+
+
+# each pair of rules on each lowering (mpi4jax, host callback), eager on both backends;
+# a selection, as second derivatives take about a second each to trace and compile
+HVP_CASES = [("all_reduce_sum", "mpi", "jit"), ("all_reduce_sum", "gloo", "jit"),
+             ("all_reduce_sum", "mpi", "eager"), ("broadcast", "gloo", "eager"),
+             ("broadcast", "mpi", "jit"), ("reduce_scatter", "gloo", "jit"),
+             ("scatter", "mpi", "jit"), ("sendrecv_ring", "mpi", "jit"),
+             ("sendrecv_ring", "gloo", "jit")]
+
+
+@pytest.mark.parametrize("case, backend, mode", HVP_CASES)
+def test_hessian_vector_product_matches_single_process(case, backend, mode):
+    """Reverse over reverse: the derivative rules are written with the differentiable
+    ops, so grad(vdot(grad(f), v)) works and equals the single-process Hessian-vector
+    product (the cases cover each pair of rules: all_reduce, broadcast<->reduce,
+    reduce_scatter<->all_gather, scatter<->gather, sendrecv)."""
+    shape, call, semantics = case_of(case)
+
+    def objective(x):  # cubic, so that the Hessian is not zero
+        y = call(x, backend)
+        return jnp.sum(w_of(RANK, y.shape) * y ** 3)
+
+    v = x_of(RANK, shape, salt=5) / 5.0
+
+    def hvp(x):
+        return jax.grad(lambda z: jnp.vdot(jax.grad(objective)(z), v))(x)
+
+    got = (jax.jit(hvp) if mode == "jit" else hvp)(x_of(RANK, shape))
+
+    def total(xs):
+        return sum(jnp.sum(w_of(r, semantics(xs, r).shape) * semantics(xs, r) ** 3)
+                   for r in range(SIZE))
+    xs = [x_of(r, shape) for r in range(SIZE)]
+    vs = [x_of(r, shape, salt=5) / 5.0 for r in range(SIZE)]
+    want = jax.jit(jax.grad(lambda xs: sum(jnp.vdot(g, u) for g, u in
+                                           zip(jax.grad(total)(xs), vs))))(xs)[RANK]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
+                               err_msg=f"rank {RANK}")
+
+
+def test_forward_mode_is_refused_with_the_documented_error():
+    """jvp/jacfwd are not supported (README): JAX raises this TypeError before anything
+    is sent, on every rank."""
+    x = x_of(RANK, (N,))
+    msg = r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"
+    with pytest.raises(TypeError, match=msg):
+        jax.jvp(lambda x: mj.all_reduce(x, backend="mpi"), (x,), (x,))
+    with pytest.raises(TypeError, match=msg):
+        jax.jit(jax.jacfwd(lambda x: mj.all_gather(x, backend="gloo")))(x)
+    # reverse mode still works afterwards: nothing was left half sent
+    g = jax.grad(lambda x: jnp.sum(mj.all_reduce(x, backend="mpi")))(x)
+    np.testing.assert_allclose(np.asarray(g), SIZE)
+
+
+def _comm_calls(jaxpr_text: str) -> int:
+    """Communication primitives in a jaxpr: mpi4jax's and mcrdl_jax's host call."""
+    return sum(jaxpr_text.count(p) for p in ("mcrdl_host_call[", "allreduce_mpi["))
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_checkpoint_around_a_communicating_layer(backend, mode):
+    """jax.checkpoint (remat) around a layer with an all_reduce: the gradient equals the
+    one without checkpoint, and the program holds the same number of communications
+    (JAX keeps an effectful call's outputs instead of replaying it, so no rank
+    re-issues a collective in the backward pass)."""
+    w = x_of(0, (N, N)) / 10.0
+
+    def layer(x):
+        return jnp.tanh(mj.all_reduce(x @ w, backend=backend))
+
+    def loss(x, wrap):
+        return jnp.sum(w_of(RANK, (N,)) * wrap(layer)(x) ** 2)
+
+    x = x_of(RANK, (N,)) / 5.0
+    grads = {}
+    for name, wrap in (("remat", jax.checkpoint), ("plain", lambda f: f)):
+        g = jax.grad(lambda x: loss(x, wrap))
+        grads[name] = (jax.jit(g) if mode == "jit" else g)(x)
+    np.testing.assert_allclose(np.asarray(grads["remat"]), np.asarray(grads["plain"]),
+                               rtol=1e-6, err_msg=f"rank {RANK}")
+    texts = {name: str(jax.make_jaxpr(jax.grad(lambda x: loss(x, wrap)))(x))
+             for name, wrap in (("remat", jax.checkpoint), ("plain", lambda f: f))}
+    assert _comm_calls(texts["remat"]) == _comm_calls(texts["plain"]) == 2, texts["remat"]
