@@ -190,3 +190,21 @@ def test_jax_eager_and_jit(backend):
         return jr.reshard(x * 2, src, dst, shape, backend=backend) + 1
 
     np.testing.assert_array_equal(np.asarray(f(local)), _slice(G, dst.tile(shape, RANK)) * 2 + 1)
+
+
+@pytest.mark.parametrize("method", ["broadcast", "send_recv_allgather"])
+def test_pipeline_across_meshes_matches_single_process(method):
+    """bench/apps/jax_mesh_pipeline.py: stage 0 data parallel on the first half of the
+    ranks, stage 1 tensor parallel on the rest (rank 0 holds both at 1 rank), joined by
+    reshard both ways; its parameters equal a single-process run's."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "apps"))
+    import jax_mesh_pipeline as app
+
+    args = app.parser().parse_args(["--steps", "3", "--micro", "2", "--batch", "6",
+                                    "--hidden", "10", "--method", method, "--check"])
+    res = app.train(args)
+    diffs = [v for k, v in res.items() if k.endswith("_max_diff")]
+    assert diffs and max(diffs) < 1e-5, f"rank {RANK}: {res}"
