@@ -18,7 +18,8 @@ Timing: bench/timing.py's interleaved_batches: each round runs one batch of ever
 column in a Williams order, an MPI barrier before each batch; a batch's figure is its
 time per call on the slowest rank; a column's figure is the median over the rounds.
 Error: relative L2 distance of the column's result from the backend's own (exact) one,
-the worst rank's. Rank 0 prints the table (time, speedup over BACKEND, error) and writes
+the worst rank's. torch is imported first when installed, as in a PyTorch program (the
+fp16 codec's host casts use torch's conversion when torch is loaded). Rank 0 prints the table (time, speedup over BACKEND, error) and writes
 CSV, JSON and a PNG plot into --out, named compression_<label>_<ranks>r.
 
 --fsdp STEPS instead trains a small MLP (3 Linear layers, each fully_shard-ed) with
@@ -46,6 +47,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cross_framework import parse_bytes  # noqa: E402
 from timing import interleaved_batches  # noqa: E402
 
+try:  # loaded as in any PyTorch program: the fp16 codec's host casts then use it
+    import torch  # noqa: F401,E402
+except ImportError:
+    pass
 import mcrdl_core as mc  # noqa: E402
 from mcrdl_core.compress import Compression  # noqa: E402
 
@@ -60,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--factor", type=int, default=4)
     ap.add_argument("--codecs", default="fp16,bf16,int8,int4,zfp:16")
     ap.add_argument("--algorithms", default="p2p,ring,a2a")
+    ap.add_argument("--extra", default="",
+                    help="more columns ALGORITHM:CODEC, e.g. ring:bf16,ring:zfp:16")
     ap.add_argument("--auto", default="fp16+int8",
                     help="codecs allowed to the auto column ('' for no auto column)")
     ap.add_argument("--zfp-max-bytes", type=parse_bytes, default=4 << 20,
@@ -82,6 +89,10 @@ def columns(args, nbytes: int) -> dict:
             continue
         for algo in [a for a in args.algorithms.split(",") if a]:
             cols[f"{algo}:{codec}"] = Compression(codec, algo)
+    for col in [c for c in args.extra.split(",") if c]:
+        algo, _, codec = col.partition(":")
+        if not (codec.startswith("zfp") and nbytes > args.zfp_max_bytes):
+            cols[col] = Compression(codec, algo)
     if args.auto:
         cols[f"auto:{args.auto}"] = "auto:" + args.auto
     return cols

@@ -296,3 +296,20 @@ def test_auto_keeps_plain_on_fast_links_and_compresses_on_slow_ones():
     assert str(parse("auto:fp16+int8")) == "auto:fp16+int8"
     with pytest.raises(DtypeError):
         resolve("auto:int8", Op.ALL_GATHER, dt.int32)
+
+
+def test_fp16_host_casts_through_torch_give_numpy_bits(monkeypatch):
+    """With torch loaded, fp16 casts run through torch (faster); the bytes must be those
+    of the NumPy path, or ranks with and without torch would disagree."""
+    pytest.importorskip("torch")
+    import sys
+
+    codec = make_codec("fp16")
+    x = gaussian(5000, 11) * 100
+    x[[7, 4000]] = [np.nan, -np.inf]
+    with_torch, _, _ = round_trip(codec, x)
+    enc_torch = round_trip(codec, x)[1]
+    monkeypatch.setitem(sys.modules, "torch", None)
+    without, enc_numpy, _ = round_trip(codec, x)
+    assert np.array_equal(enc_torch, enc_numpy)
+    assert np.array_equal(with_torch, without, equal_nan=True)

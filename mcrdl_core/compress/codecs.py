@@ -29,6 +29,7 @@ it, after the collective has finished (no rank is left waiting).
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -215,7 +216,7 @@ class _Blocked(Codec):
 class FP16(_Blocked):
     """float16 after dividing each block by a power of two, so that the block's largest
     finite magnitude lands in [2^14, 2^15): no overflow whatever the range, and the
-    power-of-two scale adds no rounding of its own."""
+    power-of-two scale adds no rounding of its own. Host casts go through ``_half``."""
 
     kind = "fp16"
     error_bound = 2.0 ** -11  # float16's unit roundoff (values within 2^-24 of the block max
@@ -236,12 +237,31 @@ class FP16(_Blocked):
         scale[amax == 0] = 1.0
         scales[...] = scale
         h = payload.view(np.float16).reshape(x2.shape)
-        xp.multiply(x2, (1.0 / scale).astype(x2.dtype)[:, None], out=h, casting="unsafe")
+        inv = (1.0 / scale).astype(x2.dtype)[:, None]
+        if not _half(h, x2 * inv):
+            xp.multiply(x2, inv, out=h, casting="unsafe")
 
     def _decode_rows(self, scales, payload, out2) -> None:
         h = payload.view(np.float16).reshape(out2.shape)
         xp = _xp(out2)
-        xp.multiply(h, scales.astype(out2.dtype)[:, None], out=out2)
+        if _half(out2, h):
+            out2 *= scales.astype(out2.dtype)[:, None]
+        else:
+            xp.multiply(h, scales.astype(out2.dtype)[:, None], out=out2)
+
+
+def _half(dst, src) -> bool:
+    """dst[...] = src between float32 and float16 host arrays through torch's vectorised
+    conversion, when torch is already loaded in this process (the core never imports it):
+    NumPy's float16 casts run ~10x slower here (16 MiB: 15 ms vs 1.3 ms of CPU). Both
+    round to nearest even, so the bits are the same either way. False: not done."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(dst, np.ndarray) or not src.flags.writeable
+            or not (dst.flags.c_contiguous and src.flags.c_contiguous)
+            or {dst.dtype, src.dtype} != {np.dtype(np.float16), np.dtype(np.float32)}):
+        return False
+    torch.from_numpy(dst).copy_(torch.from_numpy(src))
+    return True
 
 
 class _IntQ(_Blocked):
