@@ -86,7 +86,8 @@ def _run(args, program, timeout=300, env=None, **kw):
     """`mcrdl cluster run ARGS -- PROGRAM`; (completed process, report dict)."""
     report = Path(kw.pop("tmp_path")) / f"report{time.monotonic_ns()}.json"
     cmd = MCRDL + ["cluster", "run", *args, "--report", str(report), "--", *program]
-    full_env = dict(os.environ, MCRDL_TUNING_TABLE="none", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, MCRDL_TUNING_TABLE="none", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           **kw)
     rep = json.loads(report.read_text()) if report.exists() else None
@@ -140,12 +141,29 @@ def test_ctrl_c_ends_the_program_and_removes_the_cluster(tmp_path):
 
 
 @needs_netns
-def test_topology_in_the_environment_and_in_mcrdl_info(tmp_path):
-    proc, rep = _run(["--hosts", "2", "--ranks-per-host", "2", "--rate", "10gbit"],
-                     [sys.executable, "-m", "mcrdl_core.cli", "info"], tmp_path=tmp_path)
+def test_tune_on_the_cluster_writes_entries_for_ranks_and_hosts_and_info_shows_them(tmp_path):
+    """2 hosts x 1 rank tune writes a (2 ranks, 2 hosts) entry; on 2 hosts x 2 ranks
+    `mcrdl info` prints the topology, and says the table holds no entry for that shape."""
+    table = tmp_path / "t.json"
+    proc, _ = _run(["--hosts", "2", "--rate", "10gbit"],
+                   [sys.executable, "-m", "mcrdl_core.cli", "tune", "--ops", "all_reduce",
+                    "--sizes", "4", "64K", "--trials-scale", "0.01", "--output", str(table)],
+                   tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "topology: 2 hosts x 2 ranks (h0: ranks 0-1; h1: ranks 2-3)" in proc.stdout, proc.stdout
-    assert "emulated cluster" in proc.stdout and "links 10gbit" in proc.stdout
+    assert "all_reduce      n=2 hosts=2" in proc.stdout, proc.stdout
+    data = json.loads(table.read_text())
+    assert data["schema"] == "mcrdl.tuning/2" and data["machine"]["hosts"] == ["h0", "h1"]
+    assert [(e["op"], e["world_size"], e["hosts"]) for e in data["entries"]] == \
+           [("all_reduce", 2, 2)]
+    proc, rep = _run(["--hosts", "2", "--ranks-per-host", "2", "--rate", "10gbit"],
+                     [sys.executable, "-m", "mcrdl_core.cli", "info"], tmp_path=tmp_path,
+                     env={"MCRDL_TUNING_TABLE": str(table)})
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "topology: 2 hosts x 2 ranks (h0: ranks 0-1; h1: ranks 2-3)" in out, out
+    assert "emulated cluster" in out and "links 10gbit" in out
+    assert f"tuning table in force: {table}" in out, out
+    assert "no entries for 4 ranks on 2 host(s)" in out and "also holds 2 ranks on 2 host(s)" in out
     assert rep["returncode"] == 0 and sorted(rep["links"]) == ["h0", "h1"]
 
 

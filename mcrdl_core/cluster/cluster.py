@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 from . import system as _sys
@@ -171,8 +172,9 @@ exec ip netns exec "{s.name}-$host" nsenter --uts="{self.state_dir}/uts/$host" -
         return pids
 
     def __enter__(self) -> "Cluster":
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, _raise_exit)
+        if threading.current_thread() is threading.main_thread():  # only it may set them
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._old_handlers[sig] = signal.signal(sig, _raise_exit)
         try:
             return self.build()
         except BaseException:
