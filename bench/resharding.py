@@ -117,7 +117,7 @@ def cases(nhosts: int, k: int):
 
     B, S, SA = "broadcast", "send_recv", "send_recv_allgather"
     three = [B, S, SA]
-    rep = lambda ranks: Layout(Mesh(ranks, ("r",)), [])  # noqa: E731
+    rep = lambda ranks: Layout(Mesh(ranks), [])  # noqa: E731
     m = min(nhosts - 1, 4)
     add("1 rank -> %d hosts x 1, replicated" % m, nhosts >= 2, ">= 3.3x (must 3x) at 4 hosts",
         lambda: rep([h(0)]), lambda: rep([h(i) for i in range(1, m + 1)]), three,
@@ -139,9 +139,8 @@ def cases(nhosts: int, k: int):
     add("replicated on 2 hosts -> sharded on 2x2", nhosts >= 4 and k >= 2 or nhosts >= 6,
         "balanced >= 1.8x unbalanced (must 1.5x)",
         lambda: rep([h(0), h(1)]),
-        lambda: Layout(Mesh(np.array([h(2), h(2, 1 % k) if k > 1 else h(3),
-                                      h(3 if k > 1 else 4), h(3, 1) if k > 1 else h(5)])
-                            .reshape(2, 2), ("x", "y")), ["x", "y"]),
+        lambda: Layout(Mesh([[h(2), h(2, 1)], [h(3), h(3, 1)]] if k > 1 else
+                            [[h(2), h(3)], [h(4), h(5)]], ("x", "y")), ["x", "y"]),
         [B, B + "/first"], [(B, B + "/first")])
     add("halves on 2 hosts -> thirds on 3 hosts", nhosts >= 5, "rounds >= 1.7x naive order",
         lambda: Layout(Mesh([h(0), h(1)], ("r",)), ["r"]),

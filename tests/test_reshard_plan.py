@@ -159,7 +159,7 @@ def test_dtensor_placements_convert():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    import mcrdl_torch.reshard as tr
+    import mcrdl_torch.resharding as tr
 
     mesh = DeviceMesh("cpu", torch.tensor([[3, 1], [0, 2]]), mesh_dim_names=("dp", "tp"),
                       _init_backend=False, _rank=0)
@@ -185,7 +185,7 @@ def test_jax_sharding_converts():
     from jax.sharding import Mesh as JMesh
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import mcrdl_jax.reshard as jr
+    import mcrdl_jax.resharding as jr
 
     jm = JMesh(np.array(jax.devices()[:1]).reshape(1, 1), ("x", "y"))
     lay = jr.layout(NamedSharding(jm, P(("y", "x"), None)), ranks=[[5]])

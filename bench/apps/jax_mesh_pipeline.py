@@ -31,7 +31,7 @@ import numpy as np
 import mcrdl_core as mc
 import mcrdl_jax as mj
 from mcrdl_core.reshard import Layout, Mesh
-from mcrdl_jax.reshard import reshard
+from mcrdl_jax.resharding import reshard  # also mcrdl_jax.reshard
 
 
 def init(seed: int, d: int, h: int, o: int):

@@ -159,3 +159,6 @@ def get_world_size(group=None) -> int:
 
 def new_group(ranks=None, backend=None):
     return _core.new_group(ranks, backend=backend)
+
+
+from .resharding import layout as reshard_layout, reshard  # noqa: E402  (docs/resharding.md)

@@ -160,3 +160,6 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, backend=None):
     return _core.barrier(group, async_op, backend)
+
+
+from .resharding import layout as reshard_layout, reshard  # noqa: E402  (docs/resharding.md)

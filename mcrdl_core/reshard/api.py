@@ -111,8 +111,8 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
     mesh. ``plan`` replaces (shape, layouts, method, balance, order, hosts, link);
     ``backend``: any backend name or None (selection as for other calls); ``check``:
     compare plan fingerprints across the ranks before the plan's first use;
-    ``chain``/``segment`` (bytes): the segmented chain broadcast (default: on over Gloo,
-    1 MiB segments or ``MCRDL_RESHARD_SEGMENT``). Every rank of the world calls it."""
+    ``chain``/``segment`` (bytes): the segmented chain broadcast (default: over Gloo, and
+    between hosts from 64 KiB; see ``execute.py``). Every rank of the world calls it."""
     rt = get_runtime()
     rank = rt.rank
     buf = None if local is None else as_buffer(local)
@@ -171,7 +171,7 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
             verify(plan, backend)
             plan.cache[key] = True
     if src_box is None and dst_box is None:
-        _ex.register_groups(plan, _ex.uses_chain(plan, backend, chain))
+        _ex.register_groups(plan, chain, backend)
         return None
     if log.isEnabledFor(logging.DEBUG):
         log.debug("rank %d: %s", rank, plan.summary())

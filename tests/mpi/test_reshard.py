@@ -144,7 +144,7 @@ def test_dtensor_to_another_mesh(backend):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    import mcrdl_torch.reshard as tr
+    import mcrdl_torch.resharding as tr
 
     k = min(SIZE, 2)
     shape = (5, 3)
@@ -175,7 +175,7 @@ def test_jax_eager_and_jit(backend):
     import jax
     import jax.numpy as jnp
 
-    import mcrdl_jax.reshard as jr
+    import mcrdl_jax.resharding as jr
 
     shape = (4, 6)
     G = np.arange(24, dtype=np.float32).reshape(shape)
