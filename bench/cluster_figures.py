@@ -130,6 +130,8 @@ def _plots(benches: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from mcrdl_core.cli import latency_axes
+
     fig, axes = plt.subplots(1, len(PLOT_OPS), figsize=(5 * len(PLOT_OPS), 4.2), squeeze=False)
     colors = dict(zip(benches, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for ax, op in zip(axes.flat, PLOT_OPS):
@@ -139,12 +141,7 @@ def _plots(benches: dict, out: Path) -> None:
                              if r["op"] == op and r["backend"] == be)
                 if pts:
                     ax.plot(*zip(*pts), style, color=colors[n], marker=".", label=f"{n} {be}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(op)
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("latency (µs)")
-        ax.grid(True, alpha=0.3)
+        latency_axes(ax, op)
     handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines()}
     fig.legend(list(handles.values()), list(handles), fontsize=7, loc="lower center",
                ncol=min(len(handles), 6))

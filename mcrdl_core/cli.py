@@ -258,12 +258,7 @@ def _plot(res, cols, n, path):
         for b in cols:
             ax.plot(sizes, [res[op][s][b] * 1e6 for s in sizes], marker=".",
                     linestyle="--" if b == "auto" else "-", label=b)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(op)
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("latency (µs)")
-        ax.grid(True, alpha=0.3)
+        latency_axes(ax, op)
         ax.legend()
     for ax in list(axes.flat)[len(ops):]:
         ax.axis("off")
@@ -271,6 +266,16 @@ def _plot(res, cols, n, path):
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return path
+
+
+def latency_axes(ax, title: str) -> None:
+    """Log-log axes of latency (µs) against bytes per rank (the bench plots)."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("latency (µs)")
+    ax.grid(True, alpha=0.3)
 
 
 def cmd_info(args) -> int:
