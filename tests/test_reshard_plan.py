@@ -193,3 +193,39 @@ def test_jax_sharding_converts():
     assert lay.mesh.rank_list() == [5]
     mine = Mesh([[0, 1], [2, 3]], ("x", "y"))
     assert jr.layout(P("x", "y"), mesh=mine).tile((3, 3), 3) == ((2, 3), (2, 3))
+
+
+FIRST_CALL = """
+import sys
+import numpy as np
+import mcrdl_core as mc
+from mcrdl_core.reshard import Layout, Mesh
+src, dst = Layout(Mesh([0], ("a",)), []), Layout(Mesh([1], ("b",)), [])
+x = np.arange(6, dtype=np.float32) if mc.get_rank() == 0 else None
+y = mc.reshard(x, src, dst, (6,), dtype=np.float32, method="send_recv", backend=sys.argv[1],
+               hosts=1, check=False)
+assert (y is None) == (mc.get_rank() != 1) and (y is None or (y == np.arange(6)).all())
+print("first-call reshard ok", flush=True)
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_transfer_between_two_of_three_ranks_as_the_first_call(backend):
+    """The world communicator that carries the point-to-point messages is created
+    collectively over the world: a fresh program whose first call is a reshard between
+    ranks 0 and 1 must not leave rank 2 out of that creation (it hung until the
+    timeout before reshard made every rank take part)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    bindir = os.path.dirname(sys.executable)
+    mpiexec = shutil.which("mpiexec", path=bindir)
+    env = dict(os.environ, MCRDL_TIMEOUT="20", MCRDL_TUNING_TABLE="none",
+               PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", FIRST_CALL, backend],
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.count("first-call reshard ok") == 3, out[-3000:]

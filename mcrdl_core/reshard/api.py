@@ -75,6 +75,27 @@ def _cached_plan(shape, dtype, src, dst, method, balance, order, hosts, link) ->
     return plan
 
 
+_READY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # runtime -> {backend}
+
+
+def _world_ready(rt, backend) -> None:
+    """Make sure the world communicator of the backend that carries the point-to-point
+    messages exists. Backends create it lazily, collectively over the whole world; a
+    transfer between two ranks as a program's first call would otherwise leave the
+    other ranks out of that creation and its two ranks waiting for them. Every rank
+    calls reshard, so every rank takes part here, once per runtime and backend."""
+    done = _READY.get(rt)
+    if done is None:
+        done = _READY[rt] = set()
+    if backend in done:
+        return
+    from ..ops import Op
+
+    probe = Buffer.from_numpy(np.zeros(1, np.uint8))
+    rt.select(Op.SEND, rt.world, probe, backend).comm(rt.world)
+    done.add(backend)
+
+
 def _host_backend(backend):
     return backend if backend in ("mpi", "gloo") else None
 
@@ -164,6 +185,7 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
             device = buf.device if buf is not None else None
             out_arr = (Buffer.empty(want, dt, device) if device is not None and
                        device.kind == "cuda" else Buffer.empty(want, dt)).array()
+    _world_ready(rt, backend)
     if check:
         key = ("verified", id(rt))
         if not plan.cache.get(key):
