@@ -82,16 +82,25 @@ REASON = _why_no_cluster()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster: {REASON}")
 
 
-def _run(args, program, timeout=300, env=None, **kw):
+def _run(args, program, timeout=240, env=None, **kw):
     """`mcrdl cluster run ARGS -- PROGRAM`; (completed process, report dict)."""
     report = Path(kw.pop("tmp_path")) / f"report{time.monotonic_ns()}.json"
     cmd = MCRDL + ["cluster", "run", *args, "--report", str(report), "--", *program]
     full_env = dict(os.environ, MCRDL_TUNING_TABLE="none", PYTHONUNBUFFERED="1")
     full_env.update(env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          **kw)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # a timeout (ours or pytest's): SIGTERM lets it remove the cluster
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     rep = json.loads(report.read_text()) if report.exists() else None
-    return proc, rep
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), rep
 
 
 def _ours_gone(name):
@@ -217,6 +226,7 @@ SUBSET = "not (float64 or float16 or int64 or int8 or uint8)"
 
 @needs_netns
 @pytest.mark.multirank
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("ranks_per_host", [1, 2])
 def test_op_mixing_deadlock_tests_on_two_hosts(ranks_per_host, tmp_path):
     results = tmp_path / "tallies"
