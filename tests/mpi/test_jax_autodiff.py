@@ -199,8 +199,7 @@ def test_data_parallel_gradients_equal_single_process(backend, mode):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("backend, mode", [("mpi", "jit"), ("gloo", "eager")])
 def test_all_to_all_grad_with_only_output_splits_given(backend, mode):
     """Rank r's input has n*(r+1) rows split evenly (input_split_sizes=None); every rank
     receives j+1 rows from rank j (output_split_sizes=[1..n]). The backward all-to-all
@@ -228,11 +227,9 @@ def test_all_to_all_grad_with_only_output_splits_given(backend, mode):
 
 # each pair of rules on each lowering (mpi4jax, host callback), eager on both backends;
 # a selection, as second derivatives take about a second each to trace and compile
-HVP_CASES = [("all_reduce_sum", "mpi", "jit"), ("all_reduce_sum", "gloo", "jit"),
-             ("all_reduce_sum", "mpi", "eager"), ("broadcast", "gloo", "eager"),
-             ("broadcast", "mpi", "jit"), ("reduce_scatter", "gloo", "jit"),
-             ("scatter", "mpi", "jit"), ("sendrecv_ring", "mpi", "jit"),
-             ("sendrecv_ring", "gloo", "jit")]
+HVP_CASES = [("all_reduce_sum", "mpi", "jit"), ("all_reduce_sum", "gloo", "eager"),
+             ("broadcast", "gloo", "jit"), ("reduce_scatter", "mpi", "jit"),
+             ("scatter", "mpi", "jit"), ("sendrecv_ring", "gloo", "jit")]
 
 
 @pytest.mark.parametrize("case, backend, mode", HVP_CASES)
@@ -284,8 +281,7 @@ def _comm_calls(jaxpr_text: str) -> int:
     return sum(jaxpr_text.count(p) for p in ("mcrdl_host_call[", "allreduce_mpi["))
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("backend, mode", [("mpi", "jit"), ("gloo", "eager")])
 def test_checkpoint_around_a_communicating_layer(backend, mode):
     """jax.checkpoint (remat) around a layer with an all_reduce: the gradient equals the
     one without checkpoint, and the program holds the same number of communications

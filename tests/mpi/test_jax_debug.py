@@ -26,8 +26,7 @@ def debug_mode():
     rt.debug = False
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("backend, mode", [("mpi", "jit"), ("gloo", "eager")])
 def test_rank_dependent_objective_is_caught_then_remedied(debug_mode, backend, mode):
     if SIZE < 2:
         pytest.skip("needs 2 ranks")
