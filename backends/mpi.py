@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from mcrdl_core import cuda as _cuda
 from mcrdl_core import dtypes as dt
+from mcrdl_core import mpi_setup as _setup
 from mcrdl_core.backend import Backend
 from mcrdl_core.buffer import Buffer
 from mcrdl_core.ops import Op, ReduceOp
@@ -172,14 +173,31 @@ class MPIBackend(Backend):
                                  group, *args)
 
     def create_comm(self, group):
+        """The group's communicator, made on the group's first MPI call by its members,
+        with every wait for peers in the progress loop under ``MCRDL_TIMEOUT``
+        (``mcrdl_core.mpi_setup``): the world's by ``MPI_Comm_idup``; a sub-group's by
+        ``MPI_Comm_create_group`` (MPI has no nonblocking form) once a nonblocking
+        readiness handshake has shown every member to be there. A member that never
+        makes the call therefore ends in CommTimeoutError naming the group (and the
+        group is marked broken), not in a hang inside MPI; in-flight work of other
+        backends keeps progressing during creation. Measured on 2 local ranks: the
+        world's Idup and a 2-rank handshake + create both complete in well under 1 ms
+        when all members are there (tests/faults: first-call straggler cases)."""
         world = MPI.COMM_WORLD
         if group.id == 0:
-            return world.Dup()
+            return _setup.dup(world, group)
+        _setup.members_ready(self._handshake_comm(), group.ranks, group.id, group)
         sub = world.Get_group().Incl(list(group.ranks))
         try:
             return world.Create_group(sub, tag=group.id)
         finally:
             sub.Free()
+
+    def _handshake_comm(self):
+        """A private communicator for the readiness handshakes (point-to-point only):
+        the bootstrap's own when MPI bootstrapped the job (it is private already)."""
+        comm = getattr(self.rt.bootstrap, "comm", None)
+        return comm if comm is not None else MPI.COMM_WORLD
 
     def destroy(self):
         for g in self.rt.groups:

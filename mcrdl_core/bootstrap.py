@@ -121,18 +121,22 @@ class MPIBootstrap(Bootstrap):
     def __init__(self):
         from mpi4py import MPI
 
-        self.MPI = MPI
-        self.comm = MPI.COMM_WORLD.Dup()  # private: set-up traffic never meets user tags
-        self.rank = self.comm.Get_rank()
+        from . import mpi_setup  # every wait for peers in the progress loop, timed
+        from .progress import engine
+
+        self.MPI, self._setup = MPI, mpi_setup
+        engine().rank = MPI.COMM_WORLD.Get_rank()  # for the diagnostics of the waits below
+        self.comm = mpi_setup.dup(MPI.COMM_WORLD, what="bootstrap")  # private: set-up
+        self.rank = self.comm.Get_rank()                             # traffic only
         self.size = self.comm.Get_size()
-        self._set_hosts(self.comm.allgather(MPI.Get_processor_name()))
+        self._set_hosts(self.allgather(MPI.Get_processor_name()))
         self._subs: dict = {}  # rank tuple -> sub-communicator of self.comm
 
     def bcast(self, obj, root: int = 0):
-        return self.comm.bcast(obj, root=root)
+        return self._setup.bcast(self.comm, obj, root)
 
     def allgather(self, obj) -> list:
-        return self.comm.allgather(obj)
+        return self._setup.allgather(self.comm, obj)
 
     def _sub(self, ranks: tuple):
         if ranks == tuple(range(self.size)):
@@ -141,6 +145,7 @@ class MPIBootstrap(Bootstrap):
         if sub is None:
             grp = self.comm.Get_group().Incl(list(ranks))
             tag = zlib.crc32(repr(ranks).encode()) % 32768  # the same on every member
+            self._setup.members_ready(self.comm, ranks, tag, kind=2)  # timed, then:
             try:  # collective over the members only (MPI_Comm_create_group)
                 sub = self._subs[ranks] = self.comm.Create_group(grp, tag=tag)
             finally:
@@ -148,10 +153,10 @@ class MPIBootstrap(Bootstrap):
         return sub
 
     def group_bcast(self, obj, ranks, root: int = 0):
-        return self._sub(tuple(ranks)).bcast(obj, root=root)
+        return self._setup.bcast(self._sub(tuple(ranks)), obj, root)
 
     def group_allgather(self, obj, ranks) -> list:
-        return self._sub(tuple(ranks)).allgather(obj)
+        return self._setup.allgather(self._sub(tuple(ranks)), obj)
 
 
 class EnvBootstrap(Bootstrap):

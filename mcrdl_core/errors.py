@@ -40,3 +40,15 @@ class MismatchError(McrdlError, RuntimeError):
 
 class NotInitializedError(McrdlError, RuntimeError):
     """The runtime was used after ``destroy()``."""
+
+
+class BrokenGroupError(McrdlError, RuntimeError):
+    """A call on a group (or runtime) that an earlier fault left unusable: a wait ran
+    past the runtime's timeout, so its communicators may hold operations that will
+    never be matched. Raised at once; the message quotes the original error."""
+
+
+class CommFailedError(McrdlError, RuntimeError):
+    """A backend library reported that a call failed (a peer died or closed its
+    connection, the library's own timeout fired). The message names op, group, backend
+    and rank and quotes the library; the group is then broken (see BrokenGroupError)."""

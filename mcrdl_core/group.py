@@ -5,10 +5,17 @@ one communicator per backend (MPI sub-communicator, Gloo process group, NCCL
 communicator), created on first use by the group's members and then cached: never one
 per call. As in torch.distributed, ``new_group`` must be called by every rank of the
 world, in the same order, with the same ranks, even by ranks that are not members.
+
+Broken groups. When a wait on the group's work runs past the runtime's timeout
+(``MCRDL_TIMEOUT``; not a shorter deadline the caller passed to ``Work.wait``), the
+group is marked broken: its communicators may hold operations that will never be
+matched, so every later call on it raises :class:`BrokenGroupError` at once, quoting
+the timeout, instead of queueing behind them (torch does the same after an NCCL
+timeout). Other groups stay usable. The mark lasts until the runtime is destroyed.
 """
 from __future__ import annotations
 
-from .errors import InvalidArgumentError
+from .errors import BrokenGroupError, InvalidArgumentError
 
 
 class Group:
@@ -21,6 +28,19 @@ class Group:
         self.name = name or ("world" if gid == 0 else f"group{gid}")
         self.comms: dict = {}  # backend name -> that backend's communicator
         self.backend: str | None = None  # default backend of calls on this group
+        self.broken: BaseException | None = None  # the fault that made it unusable
+
+    def mark_broken(self, error: BaseException) -> None:
+        """Record the first fault; later calls on the group raise at once."""
+        if self.broken is None:
+            self.broken = error
+
+    def raise_broken(self):
+        """Raise BrokenGroupError for a call on this broken group."""
+        raise BrokenGroupError(
+            f"{self.describe()} is unusable since an earlier call on it failed: "
+            f"{self.broken}. Its communicators may hold unmatched operations, so nothing "
+            "more is sent on it: end the job (every rank gets an error)") from self.broken
 
     @property
     def is_member(self) -> bool:

@@ -45,6 +45,9 @@ class ProgressEngine:
         self.timeout = float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT_S))
         self.spin_s = float(os.environ.get("MCRDL_SPIN_US", 100)) * 1e-6
         self.oversubscribed = False  # more ranks than cores on this host: yield when idle
+        # called with (unfinished works, error) when a wait runs past the runtime's own
+        # timeout, before it raises: the runtime marks their groups broken (faults.py)
+        self.on_timeout = None
 
     def configure(self, local_ranks: int) -> None:
         """Tell the engine how many ranks share this host (the runtime does, at init)."""
@@ -132,7 +135,8 @@ class ProgressEngine:
         for w in pending:
             if w.engine is None:
                 self.add(w)
-        timeout = self.timeout if timeout is None else timeout
+        own_timeout = timeout is None  # the runtime's: a timeout breaks the group
+        timeout = self.timeout if own_timeout else timeout
         start = time.perf_counter()
         spin_until = start + self.spin_s
         yield_until = start + 0.002
@@ -143,7 +147,10 @@ class ProgressEngine:
                 return
             now = time.perf_counter()
             if now - start > timeout:
-                raise CommTimeoutError(self.diagnose(pending, timeout))
+                err = CommTimeoutError(self.diagnose(pending, timeout))
+                if own_timeout and self.on_timeout is not None:
+                    self.on_timeout([w for w in pending if not w._done], err)
+                raise err
             if now < spin_until:
                 continue
             if any(w.host_progress for w in self.inflight):

@@ -1,6 +1,16 @@
 """The runtime: bootstrap, groups, backend instances, selection, and issuing calls.
 
 One Runtime per process (``get_runtime()``), created on first use or by ``init()``.
+
+Faults (docs/reliability.md). Every step that waits for peers — bootstrap exchanges,
+communicator creation, the debug checks, the ops — waits in the progress loop under
+``MCRDL_TIMEOUT``. A wait that runs past it raises CommTimeoutError and marks the
+groups of the unfinished work broken (``Group.mark_broken``): later calls on them raise
+BrokenGroupError at once. A timeout with no group (a bootstrap exchange while the
+runtime is created) marks the whole process's runtime broken the same way.
+``mcrdl_core.faults`` then makes sure the process can exit with the Python exception's
+status: helper threads still inside a library get a bounded grace to return, and
+``destroy()`` does not wait again for work of broken groups.
 """
 from __future__ import annotations
 
@@ -8,10 +18,11 @@ import logging
 import os
 
 from . import bootstrap as _bootstrap
+from . import faults as _faults
 from .backend import backend_class
 from .dtypes import dtype_class
-from .errors import (BackendUnavailableError, InvalidArgumentError, NotInitializedError,
-                     UnsupportedError)
+from .errors import (BackendUnavailableError, BrokenGroupError, InvalidArgumentError,
+                     NotInitializedError, UnsupportedError)
 from .group import Group
 from .logger import logger as comm_logger
 from .progress import engine as _engine
@@ -27,14 +38,16 @@ def _truthy(text: str | None) -> bool:
 class Runtime:
     def __init__(self, *, timeout: float | None = None, debug: bool | None = None,
                  table: TuningTable | str | None = None):
+        self.engine = _engine()
+        self.engine.on_timeout = self._timed_out
+        _faults.install_exit_guard()
+        if timeout is not None:
+            self.engine.timeout = float(timeout)
         self.bootstrap = _bootstrap.create()
         self.rank = self.bootstrap.rank
         self.world_size = self.bootstrap.size
-        self.engine = _engine()
         self.engine.rank = self.rank
         self.engine.configure(getattr(self.bootstrap, "local_size", 1))
-        if timeout is not None:
-            self.engine.timeout = float(timeout)
         self.debug = _truthy(os.environ.get("MCRDL_DEBUG")) if debug is None else debug
         self.override = parse_override(os.environ.get("MCRDL_BACKEND"))
         if isinstance(table, str):
@@ -47,6 +60,7 @@ class Runtime:
         self._choice: dict = {}  # memoized selections
         self.logger = comm_logger()
         self.alive = True
+        self._unusable = None  # why calls are refused: destroyed (see check_alive)
 
     # --- backends -----------------------------------------------------------------------
     def unavailable_reason(self, name: str) -> str | None:
@@ -155,9 +169,13 @@ class Runtime:
         return g
 
     def group(self, group) -> Group:
-        """Resolve None to the world and check that this rank is a member."""
-        self.check_alive()
+        """Resolve None to the world and check that this rank is a member, that the
+        runtime is alive and that the group is not broken (two attribute tests)."""
+        if self._unusable is not None:
+            self.check_alive()
         if group is None:
+            if self.world.broken is not None:
+                self.world.raise_broken()
             return self.world
         if not isinstance(group, Group):
             group = getattr(group, "mcrdl_group", group)
@@ -167,6 +185,8 @@ class Runtime:
         if not group.is_member:
             raise InvalidArgumentError(f"rank {self.rank} is not a member of {group.describe()}; "
                                        "only members may call collectives on it")
+        if group.broken is not None:
+            group.raise_broken()
         return group
 
     # --- issuing ------------------------------------------------------------------------
@@ -203,27 +223,54 @@ class Runtime:
     def check_alive(self):
         if not self.alive:
             raise NotInitializedError("the MCR-DL runtime was destroyed; call init() again")
+        if _faults.runtime_fault is not None:
+            raise BrokenGroupError(
+                f"the MCR-DL runtime of this process is unusable since a set-up exchange "
+                f"failed: {_faults.runtime_fault}. End the job (every rank gets an error) and "
+                "check that every rank makes the same calls") from _faults.runtime_fault
+
+    def _timed_out(self, works, error) -> None:
+        """The engine's hook for a wait past the runtime's timeout (see faults.py): a
+        set-up exchange that timed out (no group) makes every later call refuse."""
+        _faults.timed_out(works, error)
+        if _faults.runtime_fault is not None:
+            self._unusable = "broken"
 
     def destroy(self) -> None:
+        """Wait for in-flight work (under the timeout), then release communicators. Work
+        of broken groups is dropped, not waited for again: it cannot complete."""
         if not self.alive:
             return
-        if self.engine.inflight:
-            self.engine.wait(list(self.engine.inflight))
+        inflight = self.engine.inflight
+        for w in [w for w in inflight if getattr(w.group, "broken", None) is not None]:
+            self.engine.discard(w)
+        if inflight:
+            self.engine.wait(list(inflight))
         for be in self._backends.values():
             be.destroy()
         self._backends.clear()
         for g in self.groups:
             g.comms.clear()
         self.alive = False
+        self._unusable = "destroyed"
 
 
 _RUNTIME: Runtime | None = None
 
 
 def init(**kwargs) -> Runtime:
-    """Create the process's runtime (idempotent). Keywords: timeout (s), debug, table."""
+    """Create the process's runtime (idempotent). Keywords: timeout (s), debug, table.
+
+    If creating it timed out waiting for peers (a rank that never starts MCR-DL), the
+    process's runtime is broken: this and every later call raise BrokenGroupError at
+    once, since the set-up exchange that timed out is still pending in MPI."""
     global _RUNTIME
     if _RUNTIME is None or not _RUNTIME.alive:
+        if _faults.runtime_fault is not None:
+            raise BrokenGroupError(
+                f"the MCR-DL runtime of this process is unusable since its creation failed: "
+                f"{_faults.runtime_fault}. End the job (every rank gets an error) and check "
+                "that every rank starts MCR-DL") from _faults.runtime_fault
         _RUNTIME = Runtime(**kwargs)
     return _RUNTIME
 

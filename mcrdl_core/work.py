@@ -17,6 +17,14 @@ def _engine():
     return engine()
 
 
+def _failure(work):
+    """The error to raise for a failed work (a library's is wrapped, and its group
+    marked broken: see ``faults.work_failed``)."""
+    from .faults import work_failed
+
+    return work_failed(work)
+
+
 class Work:
     """Base class. Subclasses implement ``_poll()`` (non-blocking) and, for batching,
     may set ``poll_group`` and implement ``poll_many``."""
@@ -102,7 +110,7 @@ class Work:
                 timeout = timeout.total_seconds()
             (self.engine or _engine()).wait([self], timeout)
         if self._error is not None:
-            raise self._error
+            raise _failure(self)
         return True
 
     def result(self):
