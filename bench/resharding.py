@@ -13,6 +13,8 @@ runs only where the topology has room for it and says so otherwise. Each case's 
 tensor is float32 (rows x 1024); every method's result is first checked against the
 NumPy values on every rank. Timing: bench/timing.py's interleaved batches (a Williams
 order of the variants in every round, a barrier before each, the slowest rank's time);
+each call ends with a barrier that sleeps while it waits, so that ranks done early do
+not spin on the cores the others need;
 each figure is the median (and p90) over the rounds. The plan's predicted time and lower
 bound use the calibrated link model. Rank 0 prints the table with the issue's goals and
 writes CSV, JSON and a PNG into --out.
@@ -60,8 +62,9 @@ def topology(ranks_per_host: int | None):
 
 
 # --- calibration ---------------------------------------------------------------------------
-def _pair_time(pairs, nbytes, reps=3):
-    """Median seconds for the sends of ``pairs`` [(src, dst)] issued together."""
+def _pair_time(pairs, nbytes, reps=3, stat=np.median):
+    """Seconds (median, or ``stat``, over ``reps``; the slowest rank each time) for the
+    sends of ``pairs`` [(src, dst)] issued together."""
     from mpi4py import MPI
 
     buf = np.ones(nbytes, np.uint8)
@@ -76,7 +79,7 @@ def _pair_time(pairs, nbytes, reps=3):
         ts[i] = time.perf_counter() - t0
     worst = np.empty_like(ts)
     COMM.Allreduce(ts, worst, op=MPI.MAX)
-    return float(np.median(worst))
+    return float(stat(worst))
 
 
 def calibrate(nhosts: int, k: int, nbytes: int) -> tuple[LinkModel, dict]:
@@ -86,7 +89,7 @@ def calibrate(nhosts: int, k: int, nbytes: int) -> tuple[LinkModel, dict]:
     if nhosts < 2:
         return LinkModel(), {"note": "one host: no link to calibrate"}
     h = lambda i, j=0: i * k + j  # noqa: E731
-    res["latency_s"] = _pair_time([(h(0), h(1))], 8, 20)
+    res["latency_s"] = _pair_time([(h(0), h(1))], 8, 20, np.min)  # noise only adds
     t1 = _pair_time([(h(0), h(1))], nbytes)
     res["one_send_Bps"] = nbytes / t1
     if nhosts >= 3:
@@ -171,6 +174,16 @@ def values(box):
              + np.arange(c0, c1, dtype=np.int64)[None, :]) % 251).astype(np.float32)
 
 
+def quiet_barrier(nap: float = 1e-4) -> None:
+    """A barrier that sleeps while it waits. Ranks done early (outside the meshes, or a
+    sender whose last send left) would otherwise spin in MPI's blocking barrier and take
+    the CPU from the ranks still moving data (the cluster's hosts share this machine's
+    cores)."""
+    req = COMM.Ibarrier()
+    while not req.Test():
+        time.sleep(nap)
+
+
 def run_case(name, src, dst, variants, nbytes, hosts, link, backend, rounds):
     shape = (max(nbytes // (4 * COLS), 1), COLS)
     sbox, dbox = src.tile(shape, RANK), dst.tile(shape, RANK)
@@ -186,7 +199,8 @@ def run_case(name, src, dst, variants, nbytes, hosts, link, backend, rounds):
         bad = [r for r, good in enumerate(COMM.allgather(ok)) if not good]
         if bad:
             raise SystemExit(f"{name} / {v}: wrong result on ranks {bad}")
-        fns.append(lambda opts=opts: mc.reshard(local, src, dst, shape, **kw, **opts))
+        fns.append(lambda opts=opts: (mc.reshard(local, src, dst, shape, **kw, **opts),
+                                      quiet_barrier()))
     t = interleaved_batches(fns, [1] * len(fns), rounds)
     rows = []
     for i, v in enumerate(variants):
