@@ -247,12 +247,13 @@ def main(argv=None) -> int:
                     pick = f"  [{picks[name]}]" if name in picks else ""
                     print(f"  {name:<22} {t * 1e3:9.2f} ms  x{base / t:5.2f}  "
                           f"err {errors[name]:.1e}{pick}", flush=True)
+                write(args, rows, label, size, hosts, final=False)  # a cut-off run keeps these
     if rank == 0:
         write(args, rows, label, size, hosts)
     return 0
 
 
-def write(args, rows, label: str, size: int, hosts: int) -> None:
+def write(args, rows, label: str, size: int, hosts: int, final: bool = True) -> None:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"compression_{label}_{size}r")
     with open(stem + ".csv", "w", newline="", encoding="utf-8") as f:
@@ -264,8 +265,9 @@ def write(args, rows, label: str, size: int, hosts: int) -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:]}
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    png = plot(rows, stem + ".png", f"{label}, {size} ranks, {args.backend}")
-    print(f"\nwrote {stem}.csv, {stem}.json" + (f", {png}" if png else ""))
+    if final:
+        png = plot(rows, stem + ".png", f"{label}, {size} ranks, {args.backend}")
+        print(f"\nwrote {stem}.csv, {stem}.json" + (f", {png}" if png else ""))
 
 
 def plot(rows, path: str, title: str) -> str | None:

@@ -274,23 +274,29 @@ def test_error_bounds_are_stated():
 
 
 def test_auto_keeps_plain_on_fast_links_and_compresses_on_slow_ones():
-    """decide() is pure: from a calibration (link and codec times) to a variant."""
-    from mcrdl_core.compress.auto import CAL_BYTES, Calibration, decide, model
+    """decide() is pure: from a calibration (measured times at two sizes) to a variant."""
+    from mcrdl_core.compress.auto import CAL_SIZES, Calibration, decide
 
-    codecs = {"int8": (2e-3, 0.5e-3), "fp16": (4e-3, 2e-3)}  # seconds per 2 MiB
-    for P in (2, 4):
-        fast = Calibration(P, (P - 1) * CAL_BYTES / 5e9, codecs)  # shared memory
-        slow = Calibration(P, (P - 1) * CAL_BYTES / 0.125e9, codecs)  # 1 Gbit/s
-        for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE):
-            for n in (1 << 12, 1 << 20, 1 << 24):
-                assert decide(fast, op, n) is None, (P, op, n)
-            assert decide(slow, op, 1 << 22) in (Compression("int8", "ring"),
-                                                  Compression("int8", "a2a")), (P, op)
-        t = model(slow, Op.ALL_GATHER, 1 << 22)
-        assert t["plain"] > 2 * t["int8@ring"]
-        # a measured ring slower than the model makes the model pessimistic, never the reverse
-        slowed = Calibration(P, slow.allgather_s, codecs, {"int8": 10.0, "fp16": 10.0})
-        assert decide(slowed, Op.ALL_GATHER, 1 << 22) is None
+    def cal(link_bps, latency_s, codec_rate):
+        """Times of a P=2 ring on a link of ``link_bps`` bytes/s, with ``latency_s`` per
+        call (+1 ms more for the Python ring) and codecs at ``codec_rate`` bytes/s."""
+        times = {}
+        for op in ("all_gather", "reduce_scatter"):
+            times[(op, "plain")] = tuple(latency_s + b / link_bps for b in CAL_SIZES)
+            for codec, ratio in (("int8", 3.94), ("fp16", 2.0)):
+                times[(op, codec)] = tuple(latency_s + 1e-3 + b / ratio / link_bps
+                                           + 3 * b / codec_rate for b in CAL_SIZES)
+        return Calibration.from_times(2, times)
+
+    fast, slow = cal(5e9, 20e-6, 2e9), cal(0.125e9, 50e-6, 2e9)
+    for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE):
+        for n in (1 << 10, 1 << 14, 1 << 20, 1 << 24):
+            assert decide(fast, op, n) is None, (op, n)  # shared memory: never
+        assert decide(slow, op, 1 << 10) is None  # 4 KiB: the ring's fixed cost dominates
+        assert decide(slow, op, 1 << 22) == Compression("int8", "ring"), op
+    assert slow.predict(Op.ALL_REDUCE, "plain", 1 << 20) == pytest.approx(
+        slow.predict(Op.ALL_GATHER, "plain", 1 << 20) + slow.predict(Op.REDUCE_SCATTER, "plain",
+                                                                    1 << 20))
     with pytest.raises(InvalidArgumentError, match="name the codecs"):
         parse("auto")
     assert str(parse("auto:fp16+int8")) == "auto:fp16+int8"

@@ -1,22 +1,17 @@
 """``compression="auto:fp16+int8"``: compression allowed, used only where it pays.
 
-The choice is made from measurements, the same on every rank of the group:
-
-- *link*: the time of the backend's own all-gather of ``CAL_BYTES`` per rank (best of
-  3), giving the bandwidth each rank's data moves at, bytes/s;
-- *codecs*: encode and decode time of ``CAL_BYTES`` of N(0,1) float32 per allowed codec
-  (best of 3), and the time of that codec's ring all-gather of ``CAL_BYTES`` per rank
-  (best of 3): where the model below predicts less than that, its predictions for the
-  codec are scaled up to match (never down), so the model cannot be more optimistic
-  than what was measured on this machine.
-
-Both are measured once per (group, backend) at the first auto call (a few collectives:
-every rank makes that call, so they line up) and reduced with MAX over the group, so
-that every rank holds the same figures and makes the same choice (a rank choosing
-another algorithm than its peers would hang). Then, for each call, ``model`` predicts
-the time of the plain collective and of each (codec, ring / a2a) variant, with no
-overlap credited, and compression is used only when it is predicted at least
-``MARGIN`` times faster: on a fast link or one host the plain collective is kept.
+The choice is made from measurements, the same on every rank of the group. At the
+first auto call on a (group, backend), every rank times (best of 3) the backend's own
+all-gather and reduce-scatter and the ring variant of each allowed codec, at two sizes
+per rank (``CAL_SIZES``: 64 KiB and 2 MiB of float32). The figures are reduced with MAX
+over the group, so every rank holds the same ones and makes the same choice (a rank
+choosing another algorithm than its peers would hang), and fitted per (op, variant) as
+``t(bytes) = alpha + beta * bytes``: alpha is the fixed cost (latency, Python
+scheduling), beta the inverse of the rate (link and codec together). A call then uses
+the codec predicted fastest for its size only if it is predicted at least ``MARGIN``
+times faster than the plain collective: on a fast link, on one host, or for small
+messages the plain collective is kept. All-reduce is predicted as reduce-scatter plus
+all-gather. The calibration costs a few dozen collectives, once.
 """
 from __future__ import annotations
 
@@ -27,14 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops import Op
-from .spec import Compression, make_codec
+from .spec import Compression
 
 log = logging.getLogger("mcrdl.compress")
 
-CAL_BYTES = 2 << 20
+CAL_SIZES = (64 << 10, 2 << 20)  # bytes per rank's block
 MARGIN = 1.25
-STEP_S = 100e-6  # per message step of the Python rings (issue, poll, finish)
 _CALIBRATION: dict = {}
+_OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER)
 
 
 @dataclass(frozen=True)
@@ -49,21 +44,34 @@ class Auto:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Seconds for CAL_BYTES per rank: the plain all-gather, and per codec (encode,
-    decode); worst rank's."""
+    """Fits per (op, variant), variant 'plain' or a codec name: (alpha s, beta s/byte),
+    with bytes the size of one rank's block."""
 
     group_size: int
-    allgather_s: float
-    codec_s: dict
-    ring_s: dict = None  # codec -> its ring all-gather of CAL_BYTES per rank
+    fits: dict
+
+    @classmethod
+    def from_times(cls, group_size: int, times: dict) -> "Calibration":
+        """``times[(op, variant)] = (t at CAL_SIZES[0], t at CAL_SIZES[1])`` in seconds."""
+        (s0, s1), fits = CAL_SIZES, {}
+        for key, (t0, t1) in times.items():
+            beta = max(t1 - t0, 0.0) / (s1 - s0)
+            fits[key] = (max(t0 - beta * s0, 0.0), beta)
+        return cls(group_size, fits)
+
+    def predict(self, op: Op, variant: str, nbytes: int) -> float:
+        """Seconds for a block of ``nbytes`` per rank (all-reduce: RS + AG)."""
+        ops = _OPS if op is Op.ALL_REDUCE else (op,)
+        return sum(self.fits[(o.value, variant)][0] + self.fits[(o.value, variant)][1] * nbytes
+                   for o in ops)
 
     @property
-    def bandwidth(self) -> float:
-        """Bytes/s each rank's data crosses a link at (plain all-gather, P-1 hops)."""
-        return (self.group_size - 1) * CAL_BYTES / self.allgather_s
+    def codecs(self) -> list:
+        return sorted({v for _, v in self.fits if v != "plain"})
 
 
 def _best(fn, reps: int = 3) -> float:
+    fn()  # warm: buffers, communicators, codec caches
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -80,86 +88,39 @@ def calibrate(rt, group, backend: str | None, codecs) -> Calibration:
         return cal
     from .. import api
 
-    n = CAL_BYTES // 4
-    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    out = np.empty(group.size * n, np.float32)
-    def plain():  # "off", not None: MCRDL_COMPRESSION must not apply here
-        api.all_gather_into_tensor(out, x, group=group, backend=backend, compression="off")
-
-    plain()
-    figures = [_best(plain)]
-    for name in codecs:
-        codec = make_codec(name)
-        enc = np.empty(codec.encoded_nbytes(n), np.uint8)
-        dec = np.empty(n, np.float32)
-        figures += [_best(lambda: codec.encode(x, enc)), _best(lambda: codec.decode(enc, dec))]
-    for name in codecs:
-        cz = Compression(name, "ring")
-        figures.append(_best(lambda: api.all_gather_into_tensor(out, x, group=group,
-                                                                backend=backend, compression=cz)))
+    P = group.size
+    variants = ["off"] + [Compression(c, "ring") for c in codecs]
+    keys, figures = [], []
+    for nbytes in CAL_SIZES:
+        n = nbytes // 4
+        x = np.random.default_rng(0).standard_normal(P * n).astype(np.float32)
+        out = np.empty(P * n, np.float32)
+        for cz in variants:  # "off", not None: MCRDL_COMPRESSION must not apply here
+            figures.append(_best(lambda: api.all_gather_into_tensor(
+                out, x[:n], group=group, backend=backend, compression=cz)))
+            figures.append(_best(lambda: api.reduce_scatter_tensor(
+                out[:n], x, group=group, backend=backend, compression=cz)))
+            name = "plain" if cz == "off" else cz.codec
+            keys += [(Op.ALL_GATHER.value, name), (Op.REDUCE_SCATTER.value, name)]
     agreed = np.array(figures, np.float64)
     api.all_reduce(agreed, op="max", group=group, backend=backend, compression="off")
-    k = len(codecs)
-    cal = Calibration(group.size, float(agreed[0]),
-                      {c: (float(agreed[1 + 2 * i]), float(agreed[2 + 2 * i]))
-                       for i, c in enumerate(codecs)},
-                      {c: float(agreed[1 + 2 * k + i]) for i, c in enumerate(codecs)})
-    _CALIBRATION[key] = cal
-    log.info("auto compression calibration on %s via %s: %.2f GB/s per link, codecs %s",
-             group.describe(), backend, cal.bandwidth / 1e9, cal.codec_s)
+    half = len(keys) // 2
+    times = {k: (float(agreed[i]), float(agreed[half + i])) for i, k in enumerate(keys[:half])}
+    cal = _CALIBRATION[key] = Calibration.from_times(P, times)
+    log.info("auto compression calibration on %s via %s (s at %s B per rank): %s",
+             group.describe(), backend, CAL_SIZES, times)
     return cal
 
 
-def model(cal: Calibration, op: Op, count: int, itemsize: int = 4) -> dict:
-    """Predicted seconds per variant for blocks of ``count`` elements: 'plain' and
-    'CODEC@ring' / 'CODEC@a2a' for each calibrated codec."""
-    P, B = cal.group_size, cal.bandwidth
-    raw = count * itemsize
-    phases = (Op.REDUCE_SCATTER, Op.ALL_GATHER) if op is Op.ALL_REDUCE else (op,)
-    plain = sum((P - 1) * raw / B for _ in phases)
-    times = {"plain": plain}
-    for name in cal.codec_s:
-        for algo, t in _codec_model(cal, name, phases, count).items():
-            times[f"{name}@{algo}"] = t * _correction(cal, name)
-    return times
-
-
-def _correction(cal: Calibration, name: str) -> float:
-    """measured / modelled time of the codec's ring all-gather at CAL_BYTES, at least 1."""
-    if not cal.ring_s:
-        return 1.0
-    modelled = _codec_model(cal, name, (Op.ALL_GATHER,), CAL_BYTES // 4)["ring"]
-    return max(1.0, cal.ring_s[name] / modelled)
-
-
-def _codec_model(cal: Calibration, name: str, phases, count: int) -> dict:
-    """Modelled seconds of the codec's 'ring' and 'a2a' variants (no overlap credited)."""
-    P, B = cal.group_size, cal.bandwidth
-    t_enc, t_dec = cal.codec_s[name]
-    e = d = count * 4 / CAL_BYTES  # codec times were measured on CAL_BYTES of float32
-    e, d = e * t_enc, d * t_dec
-    wire = (P - 1) * make_codec(name).encoded_nbytes(count) / B
-    times = {}
-    for algo in ("ring", "a2a"):
-        t = 0.0
-        for ph in phases:
-            if ph is Op.ALL_GATHER:  # encode once, decode every block
-                t += wire + e + P * d + (P - 1) * STEP_S
-            else:  # (P-1) blocks encoded and decoded, per hop (ring) or at once (a2a)
-                t += wire + (P - 1) * (e + d) + (P - 1 if algo == "ring" else 1) * STEP_S
-        times[algo] = t
-    return times
-
-
 def decide(cal: Calibration, op: Op, count: int, itemsize: int = 4) -> Compression | None:
-    """Pure: the variant ``model`` predicts fastest, if at least MARGIN x faster than the
-    plain collective; else None."""
-    times = model(cal, op, count, itemsize)
-    best = min((k for k in times if k != "plain"), key=times.get)
-    if times[best] * MARGIN > times["plain"]:
+    """Pure: the codec predicted fastest for blocks of ``count`` elements, if at least
+    MARGIN x faster than the plain collective; else None."""
+    nbytes = count * itemsize
+    plain = cal.predict(op, "plain", nbytes)
+    best = min(cal.codecs, key=lambda c: cal.predict(op, c, nbytes))
+    if cal.predict(op, best, nbytes) * MARGIN > plain:
         return None
-    codec, _, algo = best.partition("@")
-    return Compression(codec, algo)
+    return Compression(best, "ring")
 
 
 def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None):

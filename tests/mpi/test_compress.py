@@ -224,10 +224,11 @@ def test_subgroup():
                               local_round_trip("int8", data(k, x.shape[0], 11))), (i, me)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["mpi"])
 def test_auto_makes_one_choice_on_every_rank(backend):
     """auto calibrates once (collectively, figures agreed with MAX), so every rank takes
-    the same variant; the result is the plain one or a correct compressed one."""
+    the same variant; the result is the plain one or a correct compressed one. (One
+    backend: the calibration costs ~50 collectives, and the code is the same for all.)"""
     from mcrdl_core.compress import auto
 
     spec = "auto:fp16+int8"
