@@ -61,6 +61,9 @@ def test_suite_under_mpiexec(nranks, tmp_path):
         assert len(pipeline) == 4, (r, pipeline)  # {gpipe, 1f1b} x {mpi, gloo}
         order = [i for i in t["passed_ids"] if "two_backends_in_one_jit" in i]
         assert len(order) == 8, (r, order)  # jit x {mpi, gloo first} x 4 dtypes
+        # MCRDL_DEBUG=1 catching a rank-dependent objective (skipped at 1 rank)
+        debug = [i for i in t["passed_ids"] if "test_jax_debug.py::" in i]
+        assert len(debug) == (2 if nranks > 1 else 0), (r, debug)  # {mpi jit, gloo eager}
 
 
 @pytest.mark.multirank

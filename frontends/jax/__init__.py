@@ -5,10 +5,12 @@ Every call returns new arrays and never changes its inputs. Names follow the tor
 frontend; shapes follow JAX conventions (``jax.lax.all_gather`` stacks on a new
 leading axis unless ``tiled=True``; ``reduce_scatter`` splits the leading axis).
 
-- Concrete arrays take the eager path (``eager.py``): DLPack into the core, no copy on
-  the way in or out (bfloat16 results: one copy), any backend.
-- Traced arrays (inside ``jit``, ``grad``, ``vmap``) go through ``autodiff.py``, which
-  gives every op its derivative and batching rule, to ``lowering.py``: the backend is
+- Calls outside any JAX transformation take the eager path (``eager.py``): DLPack
+  into the core, no copy on the way in or out (bfloat16 results: one copy), any backend.
+- Calls inside one (``jit``, ``grad``, ``vmap``, a loop body), whether their arrays
+  are traced or concrete (closed over), go through ``autodiff.py``, which gives every
+  op its derivative and batching rule (run eagerly where the values are concrete, as
+  under an eager ``grad``), to ``lowering.py``: the backend is
   chosen at trace time by the same selection as eager calls; MPI lowers to mpi4jax's
   primitives, every other case to an XLA host callback running the core. All of them
   share one ordered effect, so the calls of a jitted function run in program order on

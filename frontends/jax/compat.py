@@ -35,6 +35,8 @@ class JaxVersionError(McrdlError, ImportError):
 
 # (module, attribute) of every private JAX name the frontend uses
 INTERNALS = (
+    ("jax.core", "Tracer"),  # deprecated public aliases, used to tell traced values
+    ("jax.core", "ShapedArray"),
     ("jax._src.core", "Primitive"),
     ("jax._src.core", "ShapedArray"),
     ("jax._src.core", "trace_state_clean"),
