@@ -58,7 +58,9 @@ def test_run_module_without_autoload(tmp_path):
 
 def test_autoload_never_raises_and_a_wrong_rank_is_refused():
     """A failure inside the entry point must not break `import torch`; a rank torch was
-    told that disagrees with the launcher's is refused with advice before any call."""
+    told that disagrees with the launcher's is refused with advice before any call; an
+    mcrdl subgroup under a gloo default group works (its core id must be a valid MPI
+    tag: the first version's id was not)."""
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from mcrdl_torch import autoload
@@ -66,6 +68,12 @@ def test_autoload_never_raises_and_a_wrong_rank_is_refused():
             dist.init_process_group("mcrdl", store=dist.HashStore(), rank=1, world_size=2)
         except ValueError as exc:
             print("refused:", exc)
+        # an mcrdl subgroup under another default backend: the creator's subgroup path
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        g = dist.new_group(backend="mcrdl", pg_options="mpi")
+        t = torch.arange(3.0)
+        dist.all_reduce(t, group=g)
+        print("subgroup", dist.get_backend(g), t.tolist())
         dist.Backend._plugins.pop("MCRDL", None)
         def broken(*a, **k):
             raise RuntimeError("boom")
@@ -73,9 +81,10 @@ def test_autoload_never_raises_and_a_wrong_rank_is_refused():
         autoload.register()
         print("survived", "MCRDL" in dist.Backend._plugins)
     """)
-    proc = _py(["-c", code], _env())
+    proc = _py(["-c", code], _env(MCRDL_BOOTSTRAP="mpi"))  # an MPI singleton: mpi works
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "survived False" in proc.stdout
+    assert "subgroup mcrdl [0.0, 1.0, 2.0]" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "refused:" in proc.stdout and "launcher says rank 0 of 1" in proc.stdout, \
         proc.stdout + proc.stderr[-2000:]
 

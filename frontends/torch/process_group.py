@@ -449,7 +449,8 @@ def create(dist_opts, backend_options=None) -> McrdlProcessGroup:
         # only members get here, so the core group's id comes from torch's group name,
         # which every member shares, instead of a creation counter
         group = rt.new_group(ranks, name=str(dist_opts.group_id))
-        group.id = (zlib.crc32(str(dist_opts.group_id).encode()) & 0x3FFFFFFF) | 0x40000000
+        # (16384..32766: above the counter's ids, within the tag range MPI guarantees)
+        group.id = 16384 + zlib.crc32(str(dist_opts.group_id).encode()) % 16383
     return McrdlProcessGroup(group, backend_options, timeout)
 
 
