@@ -68,7 +68,7 @@ def why_not_allowed() -> str | None:
 def require_allowed() -> None:
     reason = why_not_allowed()
     if reason:
-        raise ClusterPermissionError(f"mcrdl cluster: {reason}")
+        raise ClusterPermissionError(reason)
 
 
 # --- namespaces ---------------------------------------------------------------------------
