@@ -51,7 +51,7 @@ def _inside(box, tile):
     return all(t0 <= b0 and b1 <= t1 for (b0, b1), (t0, t1) in zip(box, tile))
 
 
-SETTINGS = settings(max_examples=300, deadline=None,
+SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
