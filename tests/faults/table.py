@@ -67,7 +67,8 @@ def rows(results) -> list:
         for e in launch.expects:
             r = res.record(e.case, e.rank)
             fault, backend, call = _fault_and_call(e.case, e.note)
-            outcome = r["outcome"] if r else "nothing reported"
+            outcome = r["outcome"] if r else (plan.KILLED if plan.KILLED in e.outcomes
+                                              else "nothing reported")
             secs = f"{r['seconds']:.2f}" if r else "-"
             out.append((fault, backend, call, str(e.rank), outcome, secs, e.note))
         if not launch.expects:
