@@ -7,7 +7,8 @@ per rank (``CAL_SIZES``: 64 KiB and 2 MiB of float32). The figures are reduced w
 over the group, so every rank holds the same ones and makes the same choice (a rank
 choosing another algorithm than its peers would hang), and fitted per (op, variant) as
 ``t(bytes) = alpha + beta * bytes``: alpha is the fixed cost (latency, Python
-scheduling), beta the inverse of the rate (link and codec together). A call then uses
+scheduling), beta the inverse of the rate (link and codec together). A call of at least
+``MIN_BYTES`` per rank's block then uses
 the codec predicted fastest for its size only if it is predicted at least ``MARGIN``
 times faster than the plain collective: on a fast link, on one host, or for small
 messages the plain collective is kept. All-reduce is predicted as reduce-scatter plus
@@ -28,6 +29,10 @@ log = logging.getLogger("mcrdl.compress")
 
 CAL_SIZES = (64 << 10, 2 << 20)  # bytes per rank's block
 MARGIN = 1.25
+#: blocks smaller than this are never compressed: there the fixed costs (a few message
+#: steps of the Python ring) dominate, and on a busy host the small-size calibration
+#: point is too noisy to trust (it once picked fp16 for 64 KiB at 10 Gbit/s: 0.5x)
+MIN_BYTES = 256 << 10
 _CALIBRATION: dict = {}
 _OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER)
 
@@ -116,6 +121,8 @@ def decide(cal: Calibration, op: Op, count: int, itemsize: int = 4) -> Compressi
     """Pure: the codec predicted fastest for blocks of ``count`` elements, if at least
     MARGIN x faster than the plain collective; else None."""
     nbytes = count * itemsize
+    if nbytes < MIN_BYTES:
+        return None
     plain = cal.predict(op, "plain", nbytes)
     best = min(cal.codecs, key=lambda c: cal.predict(op, c, nbytes))
     if cal.predict(op, best, nbytes) * MARGIN > plain:
