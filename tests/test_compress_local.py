@@ -286,7 +286,8 @@ def test_auto_keeps_plain_on_fast_links_and_compresses_on_slow_ones():
             for codec, ratio in (("int8", 3.94), ("fp16", 2.0)):
                 times[(op, codec)] = tuple(latency_s + 1e-3 + b / ratio / link_bps
                                            + 3 * b / codec_rate for b in CAL_SIZES)
-        return Calibration.from_times(2, times)
+        return Calibration.from_times(2, times, {"int8": 2 * CAL_SIZES[1] / codec_rate,
+                                                 "fp16": 2 * CAL_SIZES[1] / codec_rate})
 
     fast, slow = cal(5e9, 20e-6, 2e9), cal(0.125e9, 50e-6, 2e9)
     for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE):
@@ -294,6 +295,18 @@ def test_auto_keeps_plain_on_fast_links_and_compresses_on_slow_ones():
             assert decide(fast, op, n) is None, (op, n)  # shared memory: never
         assert decide(slow, op, 1 << 10) is None  # 4 KiB: the ring's fixed cost dominates
         assert decide(slow, op, 1 << 22) == Compression("int8", "ring"), op
+    # a lucky ring timing (faster than its own codec allows) must not win where the
+    # link is faster than the codec: the throughput bound rules it out
+    lucky = dict(fast.fits)
+    for op in ("all_gather", "reduce_scatter"):
+        lucky[(op, "int8")] = (20e-6, 0.1e-9)  # 10 GB/s: impossible with a 1 GB/s codec
+    noisy = Calibration(2, lucky, fast.kappa)
+    assert noisy.predict(Op.ALL_GATHER, "int8", 1 << 24) * 1.25 < \
+        noisy.predict(Op.ALL_GATHER, "plain", 1 << 24)  # the fits alone would compress
+    assert noisy.bound(Op.ALL_GATHER, "int8") < 1.25
+    assert decide(noisy, Op.ALL_GATHER, 1 << 22) is None
+    assert decide(Calibration(2, lucky), Op.ALL_GATHER, 1 << 22) is not None  # unguarded
+    assert slow.bound(Op.ALL_GATHER, "int8") == pytest.approx(3.94, rel=0.01)  # ratio-bound
     assert slow.predict(Op.ALL_REDUCE, "plain", 1 << 20) == pytest.approx(
         slow.predict(Op.ALL_GATHER, "plain", 1 << 20) + slow.predict(Op.REDUCE_SCATTER, "plain",
                                                                     1 << 20))

@@ -10,9 +10,15 @@ choosing another algorithm than its peers would hang), and fitted per (op, varia
 scheduling), beta the inverse of the rate (link and codec together). A call of at least
 ``MIN_BYTES`` per rank's block then uses
 the codec predicted fastest for its size only if it is predicted at least ``MARGIN``
-times faster than the plain collective: on a fast link, on one host, or for small
-messages the plain collective is kept. All-reduce is predicted as reduce-scatter plus
-all-gather. The calibration costs a few dozen collectives, once.
+times faster than the plain collective, *and* if the codec's own throughput allows
+that gain at all: each codec's encode + decode of 2 MiB is timed locally too (``kappa``,
+s/byte), and with the plain collective's measured cost per byte ``beta`` and the
+codec's ratio ``c``, even perfect overlap gains at most ``beta / max(beta / c, kappa)``
+(the issue's min(c, T/B) bound); that must reach MARGIN as well. This second rule keeps
+a noisy calibration (a load spike during the plain collective's timing) from choosing
+compression where the link is faster than the codec, as on one host. All-reduce is
+predicted as reduce-scatter plus all-gather. The calibration costs a few dozen
+collectives, once.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops import Op
-from .spec import Compression
+from .spec import Compression, make_codec
 
 log = logging.getLogger("mcrdl.compress")
 
@@ -54,15 +60,28 @@ class Calibration:
 
     group_size: int
     fits: dict
+    kappa: dict = None  # codec -> encode + decode seconds per byte (None: not measured)
 
     @classmethod
-    def from_times(cls, group_size: int, times: dict) -> "Calibration":
-        """``times[(op, variant)] = (t at CAL_SIZES[0], t at CAL_SIZES[1])`` in seconds."""
+    def from_times(cls, group_size: int, times: dict, codec_s: dict | None = None):
+        """``times[(op, variant)] = (t at CAL_SIZES[0], t at CAL_SIZES[1])`` in seconds;
+        ``codec_s[codec]``: encode + decode seconds of CAL_SIZES[1] bytes."""
         (s0, s1), fits = CAL_SIZES, {}
         for key, (t0, t1) in times.items():
             beta = max(t1 - t0, 0.0) / (s1 - s0)
             fits[key] = (max(t0 - beta * s0, 0.0), beta)
-        return cls(group_size, fits)
+        kappa = {c: t / s1 for c, t in codec_s.items()} if codec_s else None
+        return cls(group_size, fits, kappa)
+
+    def bound(self, op: Op, codec: str) -> float:
+        """The most compression can gain here with perfect overlap: wire time / max(wire
+        time / ratio, codec time), per byte; inf when the codec was not timed."""
+        if not self.kappa:
+            return float("inf")
+        beta = min(self.fits[(o.value, "plain")][1]
+                   for o in (_OPS if op is Op.ALL_REDUCE else (op,)))
+        ratio = make_codec(codec).ratio(CAL_SIZES[1] // 4)
+        return beta / max(beta / ratio, self.kappa[codec], 1e-30)
 
     def predict(self, op: Op, variant: str, nbytes: int) -> float:
         """Seconds for a block of ``nbytes`` per rank (all-reduce: RS + AG)."""
@@ -85,6 +104,20 @@ def _best(fn, reps: int = 3) -> float:
     return best
 
 
+def _best_interleaved(calls, reps: int = 5) -> list:
+    """Best of ``reps`` seconds per call, the calls taking turns round by round, so that
+    a burst of load on the host falls on all of them alike."""
+    for fn in calls:
+        fn()  # warm
+    best = [float("inf")] * len(calls)
+    for _ in range(reps):
+        for i, fn in enumerate(calls):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
 def calibrate(rt, group, backend: str | None, codecs) -> Calibration:
     """Measure (once per group, backend and codec set) and agree across the group."""
     key = (group.id, backend, tuple(codecs))
@@ -100,20 +133,30 @@ def calibrate(rt, group, backend: str | None, codecs) -> Calibration:
         n = nbytes // 4
         x = np.random.default_rng(0).standard_normal(P * n).astype(np.float32)
         out = np.empty(P * n, np.float32)
+        calls = []
         for cz in variants:  # "off", not None: MCRDL_COMPRESSION must not apply here
-            figures.append(_best(lambda: api.all_gather_into_tensor(
-                out, x[:n], group=group, backend=backend, compression=cz)))
-            figures.append(_best(lambda: api.reduce_scatter_tensor(
-                out[:n], x, group=group, backend=backend, compression=cz)))
+            calls.append(lambda cz=cz: api.all_gather_into_tensor(
+                out, x[:n], group=group, backend=backend, compression=cz))
+            calls.append(lambda cz=cz: api.reduce_scatter_tensor(
+                out[:n], x, group=group, backend=backend, compression=cz))
             name = "plain" if cz == "off" else cz.codec
             keys += [(Op.ALL_GATHER.value, name), (Op.REDUCE_SCATTER.value, name)]
+        figures += _best_interleaved(calls)
+    n = CAL_SIZES[1] // 4
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    for name in codecs:  # the codec alone, on this rank: no communication
+        codec = make_codec(name)
+        enc, dec = np.empty(codec.encoded_nbytes(n), np.uint8), np.empty(n, np.float32)
+        figures.append(_best(lambda: (codec.encode(x, enc), codec.decode(enc, dec))))
     agreed = np.array(figures, np.float64)
     api.all_reduce(agreed, op="max", group=group, backend=backend, compression="off")
     half = len(keys) // 2
     times = {k: (float(agreed[i]), float(agreed[half + i])) for i, k in enumerate(keys[:half])}
-    cal = _CALIBRATION[key] = Calibration.from_times(P, times)
-    log.info("auto compression calibration on %s via %s (s at %s B per rank): %s",
-             group.describe(), backend, CAL_SIZES, times)
+    codec_s = {c: float(agreed[len(keys) + i]) for i, c in enumerate(codecs)}
+    cal = _CALIBRATION[key] = Calibration.from_times(P, times, codec_s)
+    log.info("auto compression calibration on %s via %s (s at %s B per rank): %s; codecs "
+             "alone (s per %d B): %s", group.describe(), backend, CAL_SIZES, times,
+             CAL_SIZES[1], codec_s)
     return cal
 
 
@@ -125,7 +168,7 @@ def decide(cal: Calibration, op: Op, count: int, itemsize: int = 4) -> Compressi
         return None
     plain = cal.predict(op, "plain", nbytes)
     best = min(cal.codecs, key=lambda c: cal.predict(op, c, nbytes))
-    if cal.predict(op, best, nbytes) * MARGIN > plain:
+    if cal.predict(op, best, nbytes) * MARGIN > plain or cal.bound(op, best) < MARGIN:
         return None
     return Compression(best, "ring")
 
