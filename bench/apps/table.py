@@ -2,6 +2,7 @@
 MCR-DL's registered backend, one host, samples per second and communication share.
 
     .venv/bin/python bench/apps/table.py --ranks 2 3 [--steps 15] [--repeats 3] [--tune]
+    .venv/bin/python bench/apps/table.py --ranks 2 --cluster 1gbit --tune   # emulated cluster
 
 Per app and rank count it launches (``mpiexec -n N``, the programs unchanged but for
 ``init_process_group(backend, pg_options=...)``):
@@ -57,8 +58,20 @@ def mpiexec() -> str:
     return exe
 
 
-def tune(n: int, path: Path) -> None:
-    cmd = [mpiexec(), "-n", str(n), str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
+def launcher(n: int, cluster: str | None) -> list:
+    """``mpiexec -n N``, or the emulated cluster: 2 hosts, N/2 ranks each, links shaped
+    to ``cluster`` (tc's units, e.g. 1gbit)."""
+    if not cluster:
+        return [mpiexec(), "-n", str(n)]
+    if n % 2:
+        raise SystemExit(f"--cluster runs 2 hosts with the same number of ranks: {n} ranks "
+                         "do not split; use even --ranks")
+    return [str(BIN / "mcrdl"), "cluster", "run", "--hosts", "2", "--ranks-per-host",
+            str(n // 2), "--rate", cluster, "--"]
+
+
+def tune(n: int, path: Path, cluster: str | None = None) -> None:
+    cmd = launcher(n, cluster) + [str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
            "all_to_all", "--sizes", "4", "4K", "64K", "256K", "1M", "2M", "4M", "--output",
            str(path)]
     print("tuning:", " ".join(cmd), flush=True)
@@ -66,9 +79,10 @@ def tune(n: int, path: Path) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def launch(app: str, n: int, backend: str, options, steps: int, table: str | None) -> dict:
+def launch(app: str, n: int, backend: str, options, steps: int, table: str | None,
+           cluster: str | None = None) -> dict:
     out = OUT / f"apps_{app}_{n}.json"
-    cmd = [mpiexec(), "-n", str(n), sys.executable, str(HERE / f"{app}.py"), "--backend",
+    cmd = launcher(n, cluster) + [sys.executable, str(HERE / f"{app}.py"), "--backend",
            backend, "--steps", str(steps), "--json", str(out)]
     if options:
         cmd += ["--pg-options", options]
@@ -86,14 +100,21 @@ def main():
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tune", action="store_true", help="measure the tuning table first")
-    p.add_argument("--table", default=str(OUT / "apps_tuning.json"),
-                   help="tuning table of the 'tuned' variant")
+    p.add_argument("--table", default=None,
+                   help="tuning table of the 'tuned' variant (default bench/out/apps_tuning"
+                        "[_cluster_RATE].json)")
+    p.add_argument("--cluster", default=None, metavar="RATE",
+                   help="run on the emulated cluster (mcrdl cluster run: 2 hosts, links of "
+                        "RATE, e.g. 1gbit) instead of one host")
     a = p.parse_args()
+    if a.table is None:
+        a.table = str(OUT / (f"apps_tuning_cluster_{a.cluster}.json" if a.cluster
+                             else "apps_tuning.json"))
     OUT.mkdir(parents=True, exist_ok=True)
     table = Path(a.table)
     if a.tune:
         for n in a.ranks:
-            tune(n, table)
+            tune(n, table, a.cluster)
     if not table.exists():
         raise SystemExit(f"no tuning table at {table}: run with --tune (or pass --table)")
     rows = []
@@ -103,7 +124,8 @@ def main():
             for rep in range(a.repeats):
                 k = rep % len(VARIANTS)
                 for name, backend, options in VARIANTS[k:] + VARIANTS[:k]:
-                    runs[name].append(launch(app, n, backend, options, a.steps, str(table)))
+                    runs[name].append(launch(app, n, backend, options, a.steps, str(table),
+                                              a.cluster))
             base = runs["gloo (torch)"]
             base_sps = statistics.median(r["samples_per_s"] for r in base)
             for name, _, _ in VARIANTS:
@@ -111,17 +133,19 @@ def main():
                 sps = statistics.median(r["samples_per_s"] for r in rs)
                 diff = max(abs(x - y) / max(abs(y), 1e-12)
                            for r in rs for x, y in zip(r["losses"], base[0]["losses"]))
-                rows.append({"app": app, "ranks": n, "variant": name, "samples_per_s": sps,
+                rows.append({"app": app, "ranks": n, "where": a.cluster or "one host",
+                             "variant": name, "samples_per_s": sps,
                              "vs_gloo": sps / base_sps,
                              "comm_share": statistics.median(r["comm_share"] for r in rs),
                              "loss_max_rel_diff_vs_gloo": diff, "repeats": len(rs)})
                 print(f"{app} n={n} {name:26s} {sps:10.0f} samples/s  x{sps / base_sps:.2f}  "
                       f"comm {rows[-1]['comm_share']:.0%}  loss diff {diff:.1e}", flush=True)
-    (OUT / "apps_table.json").write_text(json.dumps(rows, indent=1))
-    print("\n| app | ranks | variant | samples/s | vs gloo | comm share | loss diff vs gloo |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    name = f"apps_table_cluster_{a.cluster}.json" if a.cluster else "apps_table.json"
+    (OUT / name).write_text(json.dumps(rows, indent=1))
+    print("\n| app | where | ranks | variant | samples/s | vs gloo | comm share | loss diff vs gloo |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['app']} | {r['ranks']} | {r['variant']} | {r['samples_per_s']:.0f} | "
+        print(f"| {r['app']} | {r['where']} | {r['ranks']} | {r['variant']} | {r['samples_per_s']:.0f} | "
               f"{r['vs_gloo']:.2f}x | {r['comm_share']:.0%} | "
               f"{r['loss_max_rel_diff_vs_gloo']:.0e} |")
 
