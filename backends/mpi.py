@@ -282,5 +282,27 @@ class MPIBackend(Backend):
         req = self.comm(group).Iscatter(send, _spec(out), root)
         return MPIWork(Op.SCATTER, group, req, (out, inp))
 
+    # --- the fast path (mcrdl_core.fastpath) -------------------------------------------
+    def fast_all_reduce(self, group, dtype, op):
+        """An issuer ``issue(buf) -> MPI request`` of an in-place ``Iallreduce`` on host
+        buffers of ``dtype``, bound once to the group's communicator, datatype and op;
+        None where a finishing step is needed (16-bit floats are reduced upcast, AVG
+        divides at the end): those take the general path."""
+        if dtype.is_half or op is ReduceOp.AVG or dtype not in _TYPES:
+            return None
+        iallreduce = self.comm(group).Iallreduce
+        fromaddress, in_place = MPI.buffer.fromaddress, MPI.IN_PLACE
+        mtype, mop = _TYPES[dtype], _OPS[op]
+
+        def issue(buf):
+            mem = fromaddress(buf.ptr if buf.numel else 0, buf.numel * buf.dtype.itemsize)
+            return iallreduce(in_place, [mem, buf.numel, mtype], mop)
+
+        return issue
+
+    def work_of(self, op, group, req, buf):
+        """The Work of a request the fast path issued on ``buf``."""
+        return MPIWork(op, group, req, (buf,))
+
     def barrier(self, group):
         return MPIWork(Op.BARRIER, group, self.comm(group).Ibarrier())

@@ -1,74 +1,121 @@
-"""Per-call overhead of mcrdl_torch.all_reduce over calling mpi4py directly.
+"""What MCR-DL adds per all-reduce over calling mpi4py (and mpi4jax) directly.
 
-Run: mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R]
+Run (2 ranks; from the checkout):
+    MCRDL_TUNING_TABLE=none mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R]
 
-8-byte all-reduce (two float32). All paths are timed call by call, interleaved in
-rounds so that machine noise hits them alike; reported: the median per-call latency of
-each (slowest rank per call), the ratio, and the microseconds MCR-DL adds per call.
-"auto (table)" selects through a tuning table (an in-memory one that says mpi), so the
-table lookup is part of the figure; the comm logger is off except on the "logger on"
-row. Last, the cost of the logger when off: the one attribute test each call makes.
+float32 SUM all-reduce of 8 B, 1 KiB and 64 KiB. Every path runs in batches of
+``--calls`` back-to-back calls, interleaved with the others in the rounds of a Williams
+design (``timing.interleaved_batches``: an MPI barrier before each batch, the slowest
+rank's time), so that the load of a shared machine falls on all paths alike. Reported
+per path: the median over rounds of the per-call time, and what it adds over the
+raw mpi4py ``Allreduce`` of the same size.
+
+Paths: raw mpi4py; ``mcrdl_core.all_reduce`` on a NumPy array; ``mcrdl_torch.all_reduce``
+with ``backend="mpi"``, with ``backend="auto"`` (selection through an in-memory tuning
+table that says mpi, so the table lookup is part of the figure), ``async_op=True``
+then ``wait()``, and auto with the comm logger on (switched on and off around each
+call: two attribute stores); ``mcrdl_jax.all_reduce`` eager on a JAX array. jit: one
+jitted program running K=100 all-reduces in a ``lax.fori_loop`` (each scaled by 1/n
+to stay finite), through ``mcrdl_jax.all_reduce`` and through ``mpi4jax.allreduce``;
+their figures are per all-reduce (a program's time / K), and the jit rows compare
+against mpi4jax's program instead of the raw call.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import timeit
 
+import jax
+import jax.numpy as jnp
+import mpi4jax
 import numpy as np
 import torch
 from mpi4py import MPI
 
 import mcrdl_core
+import mcrdl_jax
 import mcrdl_torch as dist
 from mcrdl_core.logger import logger
 from mcrdl_core.selection import SCHEMA, TuningTable
-from timing import COMM, per_call_times
+from timing import COMM, interleaved_batches
+
+K = 100  # all-reduces per jitted program
+
+
+def jitted(allreduce, n: int):
+    scale = 1.0 / n
+
+    @jax.jit
+    def program(x):
+        return jax.lax.fori_loop(0, K, lambda i, y: allreduce(y) * scale, x)
+
+    return program
+
+
+def paths_for(nbytes: int, n: int) -> dict:
+    count = max(nbytes // 4, 1)
+    raw = np.ones(count, np.float32)
+    arr = np.ones(count, np.float32)
+    t = torch.ones(count)
+    xj = jnp.ones(count, jnp.float32)
+    lg = logger()
+
+    def logged():
+        lg.enabled = True
+        dist.all_reduce(t, backend="auto")
+        lg.enabled = False
+
+    def mpi4jax_allreduce(y):
+        out = mpi4jax.allreduce(y, op=MPI.SUM, comm=COMM)
+        return out[0] if isinstance(out, tuple) else out
+
+    prog_mcrdl = jitted(mcrdl_jax.all_reduce, n)
+    prog_mpi4jax = jitted(mpi4jax_allreduce, n)
+    return {
+        "mpi4py Allreduce (raw)": (lambda: COMM.Allreduce(MPI.IN_PLACE, raw, MPI.SUM), 1),
+        "mcrdl_core.all_reduce (NumPy)": (lambda: mcrdl_core.all_reduce(arr), 1),
+        "mcrdl_torch backend='mpi'": (lambda: dist.all_reduce(t, backend="mpi"), 1),
+        "mcrdl_torch auto (table)": (lambda: dist.all_reduce(t, backend="auto"), 1),
+        "mcrdl_torch async + wait": (
+            lambda: dist.all_reduce(t, backend="auto", async_op=True).wait(), 1),
+        "mcrdl_torch auto, logger on": (logged, 1),
+        "mcrdl_jax eager": (lambda: mcrdl_jax.all_reduce(xj).block_until_ready(), 1),
+        "jit: mpi4jax, per op": (lambda: prog_mpi4jax(xj).block_until_ready(), K),
+        "jit: mcrdl_jax, per op": (lambda: prog_mcrdl(xj).block_until_ready(), K),
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=2000, help="calls per path per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=300, help="calls per batch (jit: programs / 20)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--sizes", default="8,1024,65536", help="message sizes in bytes")
     args = ap.parse_args()
     dist.init_process_group()
     rt = mcrdl_core.get_runtime()
     n = dist.get_world_size()
-    table = TuningTable({"schema": SCHEMA, "entries": [
+    rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
         {"op": "all_reduce", "world_size": n, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
-         "dtype_class": "float", "ranges": [[None, "mpi"]]}]}, "<overhead benchmark>")
-    raw = np.ones(2, dtype=np.float32)
-    t = torch.ones(2)
-    paths = {
-        "mpi4py Allreduce (raw)": lambda: COMM.Allreduce(MPI.IN_PLACE, raw, MPI.SUM),
-        "mcrdl_torch.all_reduce backend='mpi'": lambda: dist.all_reduce(t, backend="mpi"),
-        "mcrdl_torch.all_reduce (policy pick)": lambda: dist.all_reduce(t),
-        "mcrdl_torch.all_reduce auto (table)": lambda: dist.all_reduce(t, backend="auto"),
-        "mcrdl_torch.all_reduce auto, logger on": lambda: dist.all_reduce(t, backend="auto"),
-        "mcrdl_torch.all_reduce backend='gloo'": lambda: dist.all_reduce(t, backend="gloo"),
-    }
-    samples = {k: [] for k in paths}
-    lg = logger()
-    for _ in range(args.rounds):
-        for name, fn in paths.items():
-            rt.set_table(table if "auto" in name else None)
-            if "logger on" in name:
-                lg.enable()
-            samples[name].extend(per_call_times(fn, args.calls))
-            lg.disable()
-            lg.clear()
-    med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
-    if dist.get_rank() == 0:
-        base = med["mpi4py Allreduce (raw)"]
-        print(f"8-byte all_reduce on {dist.get_world_size()} ranks, "
-              f"{args.rounds} rounds x {args.calls} calls per path, median per call:")
-        print(f"{'path':42s} {'median µs':>10s} {'ratio':>7s} {'added µs':>9s}")
-        for k, v in med.items():
-            print(f"{k:42s} {v:10.2f} {v / base:7.2f} {v - base:9.2f}")
-        reps = 1_000_000
-        off = timeit.timeit("rt.logger.enabled and None", globals={"rt": rt}, number=reps)
-        print(f"comm logger off: {off / reps * 1e9:.0f} ns per call (the one check each call "
-              f"makes; bound: 1 µs)")
+         "dtype_class": "float", "ranges": [[None, "mpi"]]}]}, "<overhead benchmark>"))
+    for nbytes in (int(s) for s in args.sizes.split(",")):
+        paths = paths_for(nbytes, n)
+        names = list(paths)
+        fns = [paths[k][0] for k in names]
+        calls = [args.calls if paths[k][1] == 1 else max(args.calls // 20, 2) for k in names]
+        for fn in fns:  # compile, create communicators, fill the memos
+            for _ in range(5):
+                fn()
+        times = interleaved_batches(fns, calls, args.rounds)  # s per call, (paths, rounds)
+        logger().clear()
+        med = {k: statistics.median(times[i]) * 1e6 / paths[k][1] for i, k in enumerate(names)}
+        if dist.get_rank() == 0:
+            print(f"\n{nbytes} B float32 all_reduce, {n} ranks, {times.shape[1]} rounds, "
+                  f"median per call (slowest rank):")
+            print(f"{'path':32s} {'µs':>9s} {'added µs':>9s}")
+            for k, v in med.items():
+                base = med["jit: mpi4jax, per op" if k.startswith("jit") else
+                           "mpi4py Allreduce (raw)"]
+                print(f"{k:32s} {v:9.2f} {v - base:+9.2f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ import contextlib
 import os as _os
 
 from . import debug as _debug
+from . import fastpath as _fast
 from . import validate as _v
 from .buffer import Buffer
 from .ops import Op, ReduceOp
@@ -125,8 +126,13 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
                compression=None):
-    """``compression``: allow a codec (docs/compression.md); None: MCRDL_COMPRESSION/off."""
+    """``compression``: allow a codec (docs/compression.md); None: MCRDL_COMPRESSION/off.
+    Small host calls with nothing else in flight take ``fastpath`` (same checks, memoized)."""
     buf = _v.output(tensor, "tensor")
+    if compression is None:
+        done = _fast.all_reduce(get_runtime(), buf, op, group, async_op, backend)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, op = _prepare(Op.ALL_REDUCE, group, buf, backend, op)
     cz = _compression(compression, Op.ALL_REDUCE, buf, op)
     if cz is not None:

@@ -82,9 +82,14 @@ class Buffer:
     @classmethod
     def from_numpy(cls, arr: np.ndarray) -> "Buffer":
         """Zero-copy view of a NumPy array (bfloat16 via ml_dtypes included)."""
-        dt = _dt.lookup(arr.dtype)
+        dt = _dt._BY_NP.get(arr.dtype) or _dt.lookup(arr.dtype)
+        flags = arr.flags
+        if flags.c_contiguous and flags.writeable:  # the common case, in fewest steps
+            buf = cls(arr.__array_interface__["data"][0], arr.shape, dt, CPU, None, False, arr)
+            buf._host = arr
+            return buf
         isz = arr.itemsize
-        strides = None if arr.flags.c_contiguous else tuple(s // isz for s in arr.strides)
+        strides = None if flags.c_contiguous else tuple(s // isz for s in arr.strides)
         if strides is not None and any(s * isz != b for s, b in zip(strides, arr.strides)):
             raise InvalidArgumentError("array strides are not a multiple of its item size; "
                                        "pass np.ascontiguousarray(arr)")
