@@ -18,6 +18,8 @@ blocking call orders the caller on (torch's for torch tensors).
 from __future__ import annotations
 
 import math
+from ctypes import addressof as _addressof
+from ctypes import c_char as _c_char
 from typing import NamedTuple
 
 import numpy as np
@@ -85,7 +87,11 @@ class Buffer:
         dt = _dt._BY_NP.get(arr.dtype) or _dt.lookup(arr.dtype)
         flags = arr.flags
         if flags.c_contiguous and flags.writeable:  # the common case, in fewest steps
-            buf = cls(arr.__array_interface__["data"][0], arr.shape, dt, CPU, None, False, arr)
+            try:  # the address through the buffer protocol: 0.4 µs against 1.5
+                ptr = _addressof(_c_char.from_buffer(arr))
+            except (TypeError, ValueError):  # empty, or a dtype the protocol cannot export
+                ptr = arr.__array_interface__["data"][0]
+            buf = cls(ptr, arr.shape, dt, CPU, None, False, arr)
             buf._host = arr
             return buf
         isz = arr.itemsize

@@ -43,9 +43,18 @@ def np_dtype(x):
     return _dt.lookup(np.dtype(x.dtype)).np_dtype
 
 
+SMALL = 4096  # bytes: below this a plain copy is cheaper than aligned memory JAX adopts
+
+
 def copy_of(x) -> np.ndarray:
+    """A writable copy of ``x``: 64-byte aligned (JAX adopts it without a copy), or,
+    below SMALL bytes, a plain NumPy copy (one call; JAX then copies the few bytes,
+    which costs less than allocating aligned memory and adopting it)."""
+    v = view(x)
+    if v.nbytes < SMALL and isinstance(v, np.ndarray):
+        return np.array(v)
     out = empty(x.shape, np_dtype(x))
-    out[...] = view(x)
+    out[...] = v
     return out
 
 
