@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import mcrdl_core as core
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.errors import InvalidArgumentError, McrdlError, UnsupportedError
 from mcrdl_core.ops import ReduceOp
 from mcrdl_core.progress import engine as _engine
 from mcrdl_core.selection import parse_override
@@ -51,6 +51,23 @@ BACKEND_NAME = "mcrdl"
 _REDUCE = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRODUCT,
            "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX, "BAND": ReduceOp.BAND,
            "BOR": ReduceOp.BOR, "BXOR": ReduceOp.BXOR}
+
+
+_AS_RUNTIME: dict = {}
+
+
+def as_runtime_error(exc: McrdlError) -> McrdlError:
+    """The same error, also a RuntimeError: torch code catches RuntimeError from a
+    backend (facebookresearch/dlrm probes all_to_all_single that way), while MCR-DL's
+    argument errors are ValueError/TypeError subclasses; the copy is both."""
+    if isinstance(exc, RuntimeError):
+        return exc
+    cls = _AS_RUNTIME.get(type(exc))
+    if cls is None:
+        cls = _AS_RUNTIME[type(exc)] = type(type(exc).__name__, (type(exc), RuntimeError), {})
+    err = cls(str(exc))
+    err.__cause__ = exc
+    return err
 
 
 def _reduce_op(op):
@@ -179,7 +196,10 @@ class McrdlProcessGroup(dist.ProcessGroup):
         """Run ``call()`` (a list of async core works) under the engine lock; ``after``
         runs once the last work completes (a copy back, say)."""
         with _engine().lock:
-            works = call()
+            try:
+                works = call()
+            except McrdlError as exc:  # refused before anything was sent
+                raise as_runtime_error(exc) from None
             if after is not None:
                 works[-1].add_finalizer(after)
         if self._coalescing is not None:

@@ -137,6 +137,23 @@ def test_uneven_all_to_all_single(same_tensor):
         _close(out, expected)
 
 
+def test_refusals_are_runtime_errors_too():
+    """torch code catches RuntimeError from a backend: facebookresearch/dlrm probes
+    all_to_all_single with 4 elements and falls back to scatter when it fails. MCR-DL's
+    refusal (dim 0 not divisible by the group) is raised before anything is sent, as a
+    RuntimeError that is still an InvalidArgumentError/ValueError."""
+    from mcrdl_core.errors import InvalidArgumentError
+
+    n = _n()
+    if n == 1:
+        pytest.skip("every size divides one rank")
+    t = torch.zeros(n + 1)
+    with pytest.raises(RuntimeError, match="not divisible") as info:
+        dist.all_to_all_single(t, t)
+    assert isinstance(info.value, InvalidArgumentError)
+    dist.barrier()  # nothing was sent: the group is still in step
+
+
 def test_batch_isend_irecv_ring():
     """Every rank sends to the next and receives from the previous in one batch; all
     ops are posted before any is waited, so the ring cannot deadlock."""
