@@ -20,7 +20,10 @@ waits, it polls everything itself and the thread stays out (it sees the lock tak
 and naps).
 
 Cost. A call that nobody asks a future of never touches the thread: issuing adds one
-uncontended lock acquire (~0.1 µs). When futures are pending the thread polls with a
+uncontended lock acquire (~0.1 µs). torch's blocking ``dist.all_reduce`` (``asyncOp``
+False) takes the core's blocking call and gets a completed Work: 12.7 µs per 4-byte
+call through ``pg.allreduce(...).wait()`` against 16.7 µs on the asynchronous path
+(one process, MPI singleton, medians of 7 x 5000 calls). When futures are pending the thread polls with a
 nap that starts at 20 µs and doubles to 1 ms while nothing completes (it gives the GIL
 back between polls), and sleeps on a condition when nothing is pending.
 

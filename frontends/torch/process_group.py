@@ -215,9 +215,15 @@ class McrdlProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "allreduce")
         op, factor = _reduce_op(opts if opts is not None else ReduceOp.SUM)
         be = self._backend("all_reduce")
+        # torch's blocking dist.all_reduce says asyncOp=False and waits at once: make the
+        # core's blocking call (its fast path) and hand back a completed Work
+        blocking = getattr(opts, "asyncOp", True) is False and self._coalescing is None
 
         def call():
             _premul(t, factor)
+            if blocking:
+                core.all_reduce(_b(t), op, self._g, False, be)
+                return []
             return [core.all_reduce(_b(t), op, self._g, True, be)]
         return self._issue(call, [t])
 
