@@ -10,7 +10,8 @@ rank's time), so that the load of a shared machine falls on all paths alike. Rep
 per path: the median over rounds of the per-call time, and what it adds over the
 raw mpi4py ``Allreduce`` of the same size.
 
-Paths: raw mpi4py; ``mcrdl_core.all_reduce`` on a NumPy array; ``mcrdl_torch.all_reduce``
+Paths: raw mpi4py (blocking ``Allreduce``, and ``Iallreduce`` polled with ``Test``:
+what MCR-DL issues); ``mcrdl_core.all_reduce`` on a NumPy array; ``mcrdl_torch.all_reduce``
 with ``backend="mpi"``, with ``backend="auto"`` (selection through an in-memory tuning
 table that says mpi, so the table lookup is part of the figure), ``async_op=True``
 then ``wait()``, and auto with the comm logger on (switched on and off around each
@@ -52,6 +53,11 @@ def jitted(allreduce, n: int):
     return program
 
 
+def _test_loop(req) -> None:
+    while not req.Test():
+        pass
+
+
 def paths_for(nbytes: int, n: int) -> dict:
     count = max(nbytes // 4, 1)
     raw = np.ones(count, np.float32)
@@ -73,6 +79,8 @@ def paths_for(nbytes: int, n: int) -> dict:
     prog_mpi4jax = jitted(mpi4jax_allreduce, n)
     return {
         "mpi4py Allreduce (raw)": (lambda: COMM.Allreduce(MPI.IN_PLACE, raw, MPI.SUM), 1),
+        "mpi4py Iallreduce + Test loop": (lambda: _test_loop(
+            COMM.Iallreduce(MPI.IN_PLACE, raw, MPI.SUM)), 1),
         "mcrdl_core.all_reduce (NumPy)": (lambda: mcrdl_core.all_reduce(arr), 1),
         "mcrdl_torch backend='mpi'": (lambda: dist.all_reduce(t, backend="mpi"), 1),
         "mcrdl_torch auto (table)": (lambda: dist.all_reduce(t, backend="auto"), 1),

@@ -132,6 +132,10 @@ class ProgressEngine:
         pending = [w for w in works if not w._done]
         if not pending:
             return
+        if (len(pending) == 1 and not self.pending and
+                (not self.inflight or self.inflight == pending)):
+            if self._spin_alone(pending[0]):
+                return
         for w in pending:
             if w.engine is None:
                 self.add(w)
@@ -161,6 +165,24 @@ class ProgressEngine:
             else:
                 time.sleep(nap)
                 nap = min(nap * 2, 1e-3)
+
+    def _spin_alone(self, w) -> bool:
+        """The one work in flight on this rank: poll it alone, without the loop's
+        bookkeeping (about 0.3 µs a poll instead of 1.5, so completion is seen sooner),
+        for at most the spin time; True if it completed. Polling it alone is the whole
+        progress loop here, since no other library has work in flight; afterwards the
+        loop below takes over, with its timeout."""
+        poll = w._poll
+        deadline = time.perf_counter() + self.spin_s
+        try:
+            while not poll():
+                if time.perf_counter() > deadline:
+                    return False
+        except BaseException as exc:  # a library error: the work fails with it
+            w._complete(exc)
+            return True
+        w._complete()
+        return True
 
     def diagnose(self, pending, timeout: float) -> str:
         w = next(x for x in pending if not x._done)
