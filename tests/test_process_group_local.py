@@ -42,6 +42,17 @@ def test_plain_import_torch_registers_mcrdl(tmp_path):
     assert "backend mcrdl value [0.0, 1.0, 2.0, 3.0]" in proc.stdout
 
 
+def test_import_torch_loads_no_mcrdl_code():
+    """The entry point registers the backend without importing mcrdl_torch or mcrdl_core:
+    every `import torch` would pay for them, and a broken install would break torch."""
+    code = ("import sys, torch, torch.distributed as dist; "
+            "print('registered', 'MCRDL' in dist.Backend._plugins, "
+            "sorted(m for m in sys.modules if m.startswith(('mcrdl_core', 'mcrdl_torch', 'mcrdl_jax'))))")
+    proc = _py(["-c", code], _env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "registered True []" in proc.stdout, proc.stdout
+
+
 def test_run_module_without_autoload(tmp_path):
     """TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns the entry point off; the launcher registers
     the backend and passes the script its arguments."""
@@ -63,7 +74,7 @@ def test_autoload_never_raises_and_a_wrong_rank_is_refused():
     tag: the first version's id was not)."""
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
-        from mcrdl_torch import autoload
+        import mcrdl_autoload as autoload
         try:
             dist.init_process_group("mcrdl", store=dist.HashStore(), rank=1, world_size=2)
         except ValueError as exc:

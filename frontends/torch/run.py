@@ -48,10 +48,10 @@ def main(argv=None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return
-    from . import autoload
+    import mcrdl_autoload
 
-    autoload.register()
-    from .autoload import _MPI_VARS
+    mcrdl_autoload.register()
+    from mcrdl_autoload import _MPI_VARS
 
     if "RANK" not in os.environ and any(v in os.environ for v in _MPI_VARS):
         mpi_env()

@@ -1,4 +1,4 @@
-"""Registers the "mcrdl" torch.distributed backend when torch is imported.
+"""mcrdl_autoload: registers the "mcrdl" torch.distributed backend when torch is imported.
 
 pyproject.toml names :func:`register` as an entry point of the ``torch.backends`` group;
 torch calls every such entry point at the end of ``import torch`` (unless
@@ -9,6 +9,12 @@ torch's ``env://`` rendezvous so that ``init_process_group`` also works under
 ``mpiexec`` (only when ``RANK`` is unset and an MPI launcher started the process; the
 variables then come from MPI, see ``mcrdl_torch.run.mpi_env``). Errors are logged to
 ``mcrdl.torch.autoload`` at debug level.
+
+It is a top-level package of its own, not a module of ``mcrdl_torch``: importing
+``mcrdl_torch.anything`` runs ``mcrdl_torch/__init__.py`` and so imports ``mcrdl_core``,
+which every ``import torch`` would then pay for (60-100 ms here), and a broken
+``mcrdl_core`` would have made ``import torch`` fail. This package imports nothing but
+the standard library until a group is created or the rendezvous runs.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ _MPI_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 
 
 def _create(dist_opts, backend_options=None):
-    from .process_group import create
+    from mcrdl_torch.process_group import create
 
     return create(dist_opts, backend_options)
 
@@ -34,7 +40,7 @@ def _wrap_env_rendezvous(rdzv) -> None:
 
     def env_or_mpi(url, *args, **kwargs):
         if "RANK" not in os.environ and any(v in os.environ for v in _MPI_VARS):
-            from .run import mpi_env
+            from mcrdl_torch.run import mpi_env
 
             mpi_env()
         return original(url, *args, **kwargs)
