@@ -191,6 +191,14 @@ def test_jax_eager_and_jit(backend):
 
     np.testing.assert_array_equal(np.asarray(f(local)), _slice(G, dst.tile(shape, RANK)) * 2 + 1)
 
+    # a concrete array closed over by a jitted function still communicates in the program
+    # (once per run), not once while tracing with its result baked in as a constant
+    def g(s):
+        return jr.reshard(local, src, dst, shape, backend=backend) * s
+
+    assert "mcrdl_host_call" in str(jax.make_jaxpr(g)(1.0))
+    np.testing.assert_array_equal(np.asarray(jax.jit(g)(3.0)), _slice(G, dst.tile(shape, RANK)) * 3)
+
 
 @pytest.mark.parametrize("method", ["broadcast", "send_recv_allgather"])
 def test_pipeline_across_meshes_matches_single_process(method):
