@@ -17,6 +17,7 @@ from .ops import Op, ReduceOp
 from .reshard.api import plan_reshard, reshard
 from .runtime import Runtime, destroy, get_runtime, init, is_initialized
 from .selection import TuningTable
+from .stragglers import stragglers
 from .work import CompletedWork, Work
 
 __version__ = "0.1.0"

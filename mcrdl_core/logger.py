@@ -93,29 +93,6 @@ class CommLogger:
             print_fn(text)
         return text
 
-    def stragglers(self, group=None) -> list[dict]:
-        """Collective over ``group``: per (op, bytes, backend), this rank's median latency
-        against the fastest and slowest rank's. Every rank must have logged the same calls."""
-        import numpy as np
-
-        from .api import all_gather_into_tensor
-        from .runtime import get_runtime
-
-        rows = self.rows()
-        mine = np.array([r["median_s"] for r in rows], dtype=np.float64)
-        g = get_runtime().group(group)
-        table = np.zeros((g.size, mine.size), dtype=np.float64)
-        was, self.enabled = self.enabled, False  # do not log the logger's own call
-        try:
-            all_gather_into_tensor(table, mine, group=group)
-        finally:
-            self.enabled = was
-        return [{"op": r["op"], "bytes": r["bytes"], "backend": r["backend"],
-                 "own_s": r["median_s"], "min_s": float(table[:, i].min()),
-                 "max_s": float(table[:, i].max()),
-                 "slowest_rank": int(g.ranks[int(table[:, i].argmax())])}
-                for i, r in enumerate(rows)]
-
 
 _LOGGER = CommLogger()
 

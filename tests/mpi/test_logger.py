@@ -3,6 +3,7 @@ nccl-tests formulas), backend and group size; the straggler view across ranks.""
 import pytest
 import torch
 
+import mcrdl_core
 import mcrdl_torch as dist
 from conftest import SIZE
 from mcrdl_core.logger import logger
@@ -45,7 +46,7 @@ def test_logger_off_records_nothing():
 def test_straggler_view(log):
     for _ in range(2):
         dist.all_reduce(torch.ones(64), backend="mpi")
-    view = log.stragglers()
+    view = mcrdl_core.stragglers()
     assert len(view) == 1
     v = view[0]
     assert v["min_s"] <= v["own_s"] <= v["max_s"] and 0 <= v["slowest_rank"] < SIZE

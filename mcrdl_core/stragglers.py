@@ -1,0 +1,36 @@
+"""The straggler view of the comm logger: a collective that compares this rank's median
+latency per logged call with every other rank's.
+
+It lives apart from ``logger.py`` because it communicates: the logger is imported by the
+runtime, and a logger that imported the api (which imports the runtime) made an import
+cycle inside the core.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .api import all_gather_into_tensor
+from .logger import CommLogger, logger
+from .runtime import get_runtime
+
+
+def stragglers(group=None, log: CommLogger | None = None) -> list[dict]:
+    """Collective over ``group`` (world by default): per (op, bytes, backend) logged,
+    this rank's median latency (``own_s``, seconds) against the fastest (``min_s``) and
+    slowest (``max_s``) rank's, and the slowest rank's global rank. Every rank must have
+    logged the same calls; the view's own all-gather is not logged."""
+    log = log or logger()
+    rows = log.rows()
+    mine = np.array([r["median_s"] for r in rows], dtype=np.float64)
+    g = get_runtime().group(group)
+    table = np.zeros((g.size, mine.size), dtype=np.float64)
+    was, log.enabled = log.enabled, False
+    try:
+        all_gather_into_tensor(table, mine, group=group)
+    finally:
+        log.enabled = was
+    return [{"op": r["op"], "bytes": r["bytes"], "backend": r["backend"],
+             "own_s": r["median_s"], "min_s": float(table[:, i].min()),
+             "max_s": float(table[:, i].max()),
+             "slowest_rank": int(g.ranks[int(table[:, i].argmax())])}
+            for i, r in enumerate(rows)]
