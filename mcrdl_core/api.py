@@ -175,7 +175,8 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     cz = _compression(compression, Op.ALL_GATHER, inp)
     if cz is not None:
         from .compress import entry
-        tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device)
+        # on the outputs' producer stream, as the uncompressed path below (issue 15 item 13)
+        tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
         return entry.all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
                                 then=lambda: _scatter_into(tmp, outs))
     if rt.debug:
