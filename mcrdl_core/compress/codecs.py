@@ -272,6 +272,11 @@ class _IntQ(_Blocked):
     LEVELS = 0
     NAN = NINF = PINF = 0
 
+    def __init__(self, block: int):
+        super().__init__(block)
+        # worst case: every value half a step from its block's maximum
+        self.error_bound = math.sqrt(self.block) / (2 * self.LEVELS)
+
     def _quantize(self, x2, scales):
         xp = _xp(x2)
         amax, bad = _absmax_rows(x2, xp)
@@ -311,7 +316,6 @@ class Int8(_IntQ):
 
     def __init__(self, block: int = 256):
         super().__init__(block)
-        self.error_bound = math.sqrt(self.block) / (2 * self.LEVELS)
 
     def payload_nbytes(self, n: int) -> int:
         return n
@@ -335,7 +339,6 @@ class Int4(_IntQ):
 
     def __init__(self, block: int = 128):
         super().__init__(block)
-        self.error_bound = math.sqrt(self.block) / (2 * self.LEVELS)
 
     def payload_nbytes(self, n: int) -> int:
         return (n + 1) // 2
