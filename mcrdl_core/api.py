@@ -172,17 +172,16 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
                                       f"group of {g.size}; give one per rank")
     for i, o in enumerate(outs):
         _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
+    # one contiguous result on the outputs' producer stream, copied into the list after
+    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
     cz = _compression(compression, Op.ALL_GATHER, inp)
     if cz is not None:
         from .compress import entry
-        # on the outputs' producer stream, as the uncompressed path below (issue 15 item 13)
-        tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
         return entry.all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
                                 then=lambda: _scatter_into(tmp, outs))
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
-    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
     work = be.all_gather(g, tmp, inp)
     work.add_finalizer(lambda: _scatter_into(tmp, outs))
     return rt.finish(work, spans, async_op, tmp.nbytes)
