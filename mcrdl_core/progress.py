@@ -64,10 +64,7 @@ class ProgressEngine:
             self.inflight.append(work)
 
     def discard(self, work) -> None:
-        try:
-            self.inflight.remove(work)
-        except ValueError:
-            pass
+        _drop(self.inflight, work)
 
     def defer(self, work) -> None:
         """Hold ``work`` -- waited by its caller, but the GPU may still read or write its
