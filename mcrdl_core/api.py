@@ -6,7 +6,6 @@ cupy arrays or Buffers). Names, arguments and semantics follow torch.distributed
 from __future__ import annotations
 
 import contextlib
-import os as _os
 
 from . import debug as _debug
 from . import fastpath as _fast
@@ -29,7 +28,7 @@ def _prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
 def _compression(compression, op, buf: Buffer, reduce_op=None):
     """The compression allowed for this call (``compression=``, then MCRDL_COMPRESSION),
     checked against its dtype and reduce op; None (the usual case) costs one env lookup."""
-    if compression is None and not _os.environ.get("MCRDL_COMPRESSION"):
+    if compression is None and not _fast.compression_env():
         return None
     from .compress import resolve
 

@@ -69,6 +69,14 @@ MISS = object()
 _ENV = getattr(os.environ, "_data", os.environ)
 _COMPRESSION = (os.environ.encodekey("MCRDL_COMPRESSION") if _ENV is not os.environ
                 else "MCRDL_COMPRESSION")
+
+
+def compression_env() -> bool:
+    """True if MCRDL_COMPRESSION asks for compression (set and not empty): one dict
+    lookup, shared by this module and the api's general path."""
+    return bool(_ENV.get(_COMPRESSION))
+
+
 _TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime._choice``
 
 
@@ -88,7 +96,7 @@ def _plan(rt, g, buf, backend, op):
 def all_reduce(rt, buf, op, group, async_op: bool, backend):
     """Issue and (blocking) complete an all-reduce of ``buf`` on the fast path; return
     None (blocking) or the Work (async), or MISS if the general path must run."""
-    if rt.debug or _COMPRESSION in _ENV:
+    if rt.debug or compression_env():
         return MISS
     g = rt.group(group)  # liveness and broken-group checks, every call
     if rt.table is not None and backend in (None, "auto") and g.backend is None:
