@@ -120,9 +120,11 @@ LAUNCHES = [
                         "unless the launcher kills it first")],
            rcs=(6, 134), in_test=False),
     *[Launch(f"{case} on {b}, rank 1 exits mid-transfer", [f"{case}:{b}"],
-             [Expect(f"{case}:{b}", 0, ("CommTimeoutError",) if b == "mpi" else
-                     ("CommFailedError",),
-                     note=("rank 0: CommTimeoutError; exits without MPI_Finalize" if b == "mpi"
+             [Expect(f"{case}:{b}", 0, ("CommTimeoutError", "CommFailedError") if b == "mpi"
+                     else ("CommFailedError",),
+                     note=("rank 0: CommTimeoutError, or CommFailedError when MPICH's on-node "
+                           "copy (CMA) from the dead rank fails first (seen in one CI-like "
+                           "run, after 0.05 s); exits without MPI_Finalize" if b == "mpi"
                            else "rank 0: CommFailedError (Gloo sees the closed connection)"))],
              launcher="mpiexec-tolerant", rcs=(1,))
       for case in ("crash_collective", "crash_p2p") for b in ("mpi", "gloo")],
