@@ -120,12 +120,16 @@ LAUNCHES = [
                         "unless the launcher kills it first")],
            rcs=(6, 134), in_test=False),
     *[Launch(f"{case} on {b}, rank 1 exits mid-transfer", [f"{case}:{b}"],
-             [Expect(f"{case}:{b}", 0, ("CommTimeoutError", "CommFailedError") if b == "mpi"
-                     else ("CommFailedError",),
+             # either clear error is right; which one comes first is a race (both were
+             # seen in fresh-clone CI runs): MPICH's on-node copy (CMA) from the dead rank
+             # can fail at once, and Gloo's receive can time out (3 s) before it notices
+             # the closed connection
+             [Expect(f"{case}:{b}", 0, ("CommTimeoutError", "CommFailedError"),
                      note=("rank 0: CommTimeoutError, or CommFailedError when MPICH's on-node "
-                           "copy (CMA) from the dead rank fails first (seen in one CI-like "
-                           "run, after 0.05 s); exits without MPI_Finalize" if b == "mpi"
-                           else "rank 0: CommFailedError (Gloo sees the closed connection)"))],
+                           "copy from the dead rank fails first; exits without MPI_Finalize"
+                           if b == "mpi" else
+                           "rank 0: CommFailedError (Gloo sees the closed connection), or "
+                           "CommTimeoutError when the timeout comes first (a receive)"))],
              launcher="mpiexec-tolerant", rcs=(1,))
       for case in ("crash_collective", "crash_p2p") for b in ("mpi", "gloo")],
     *[Launch(f"{case} on {b}, rank 1 SIGKILLed", [f"{case}:{b}"], [],
