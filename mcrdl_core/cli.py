@@ -4,6 +4,7 @@
     mpiexec -n 2 mcrdl bench --max-bytes 1M     # latency/bandwidth per backend and auto
     mcrdl info                                  # backends, bootstrap, table in force
     mpiexec -n 2 mcrdl tune --device cuda       # CUDA buffers (one GPU per rank for nccl)
+    mpiexec -n 2 mcrdl tune --compression fp16,int8   # + compressed variants as candidates
     mcrdl cluster run --hosts 2 --rate 1gbit -- mcrdl bench --ops all_gather --sizes 16M
                                                 # on an emulated 2-host cluster (root)
 
@@ -105,23 +106,54 @@ class _Progress:
             self.bar.stop()
 
 
-def _run_sweep(rt, args, backends, title):
+def _run_sweep(rt, args, backends, title, compression=()):
     sizes = (sorted(set(args.sizes)) if args.sizes
              else _sweep.sizes_between(args.min_bytes, args.max_bytes))
     total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
     bar = _Progress(rt.rank, total, title)
     try:
         return _sweep.sweep(args.ops, sizes, backends, trials_scale=args.trials_scale,
-                            on_point=bar.step, device=args.device)
+                            on_point=bar.step, device=args.device, compression=compression)
     finally:
         bar.close()
 
 
+def _tune_codecs(text: str | None, device: str, ops) -> tuple:
+    """The codecs of ``--compression`` ("fp16,int8"), checked before anything is sent:
+    known codec names (no algorithm: the sweep measures ring, and a2a for
+    reduce_scatter), usable on ``device``. Empty without the option."""
+    if not text:
+        return ()
+    from .compress.spec import make_codec
+    from .errors import McrdlError
+
+    codecs = tuple(dict.fromkeys(c.strip().lower() for c in text.split(",") if c.strip()))
+    for c in codecs:
+        if "@" in c or "+" in c or c.startswith("auto") or c == "table":
+            raise SystemExit(f"mcrdl tune: --compression takes codec names (e.g. fp16,int8), "
+                             f"not {c!r}: the sweep measures each codec's ring (and a2a for "
+                             "reduce_scatter) over every backend itself")
+        try:
+            make_codec(c, "float32").check_device(device)
+        except McrdlError as exc:
+            raise SystemExit(f"mcrdl tune: --compression {c}: {exc}") from None
+    if not set(ops) & set(_sweep.COMPRESSED_ALGORITHMS):
+        raise SystemExit("mcrdl tune: --compression needs one of the ops "
+                         f"{sorted(_sweep.COMPRESSED_ALGORITHMS)} in --ops")
+    return codecs
+
+
 def cmd_tune(args) -> int:
+    codecs = _tune_codecs(args.compression, args.device, args.ops)
+    if os.environ.pop("MCRDL_COMPRESSION", None):  # else plain columns would be compressed
+        logging.getLogger("mcrdl.tune").warning(
+            "MCRDL_COMPRESSION is ignored while tuning: the plain columns are the backends' own "
+            "collectives (allow codecs with --compression)")
     rt = init()
     _use_device(rt, args.device)
     backends = _usable(rt, args.backends, args.device)
-    res = _run_sweep(rt, args, backends, f"tuning {len(backends)} backends ({args.device})")
+    what = f"{len(backends)} backends" + (f" + {'/'.join(codecs)} variants" if codecs else "")
+    res = _run_sweep(rt, args, backends, f"tuning {what} ({args.device})", codecs)
     if rt.rank != 0:
         return 0
     path = args.output or _tuning.default_path()
@@ -137,7 +169,8 @@ def cmd_tune(args) -> int:
                                 _tuning.fingerprint(rt.bootstrap.hosts))
     _tuning.write_table(table, path)
     print(f"\nCrossover table for {rt.world_size} ranks on {hosts} host(s) "
-          "(message size per rank -> backend):")
+          "(message size per rank -> backend"
+          + ("; compressed: the variants that beat it, fastest first" if codecs else "") + "):")
     for line in _tuning.crossover_lines(TuningTable(table, path), rt.world_size, hosts):
         print("  " + line)
     print(f"Tuning table written to {path}")
@@ -361,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "tune":
             p.add_argument("--output", "-o", help="table path (default: MCRDL_TUNING_TABLE or "
                                                   "~/.cache/mcrdl/tuning.json)")
+            p.add_argument("--compression", metavar="CODECS",
+                           help="also measure these lossy codecs (e.g. fp16,int8): their ring "
+                                "(and a2a for reduce_scatter) over each backend for all_gather, "
+                                "reduce_scatter and all_reduce; the table records where they "
+                                "win, used only by calls that allow the codec "
+                                "(compression='auto:...' or 'table'). Default: none")
         else:
             p.add_argument("--out", default="mcrdl-bench", help="folder for CSV/JSON/PNG")
             p.add_argument("--control", action="store_true",

@@ -17,6 +17,20 @@ device or a size past the last bound) falls back to the policy. Tables of schema
 (before entries knew hosts; every one was measured on a single host) are still read:
 their entries count as ``"hosts": 1``; ``mcrdl tune`` rewrites them as schema 2.
 
+Compressed variants (``mcrdl tune --compression fp16,int8``) add an optional field to
+the entries of all_gather, reduce_scatter and all_reduce::
+
+    "compressed": {"codecs": ["fp16", "int8"], "margin": 1.1,
+                   "ranges": [[131072, []], [null, ["mpi+int8@ring", "gloo+fp16@ring"]]]}
+
+``codecs``: the codecs that were measured; each range lists the variants
+(``BACKEND+CODEC@ALGORITHM``) that beat the fastest plain backend of ``ranges`` by at
+least ``margin`` at those sizes, fastest first (empty: no compression pays there).
+``ranges`` above stays what an uncompressed call uses. An entry without the field (every
+table written before, or tuned without ``--compression``) means: nothing measured about
+compression. Readers that predate the field ignore it. A call uses the field only if it
+allows compression (mcrdl_core/compress/auto.py, docs/compression.md).
+
 The message size used for lookup is the per-rank payload, the same on every rank so
 that every rank picks the same backend: the buffer for all_reduce, broadcast, reduce,
 send/recv; the input for all_gather, gather and even all_to_all; the output for
@@ -59,6 +73,7 @@ class TuningTable:
         self.path = path
         self.data = data
         self.index: dict = {}
+        self.compressed: dict = {}  # key -> (codecs, bounds, [[(backend, codec, algo)]])
         self._validate_and_index()
 
     def _fail(self, reason: str):
@@ -102,6 +117,39 @@ class TuningTable:
             key = (e["op"], e["world_size"], hosts, e["device"], e["dtype_class"])
             bounds = [m if m is not None else float("inf") for m in maxes]
             self.index[key] = (bounds, names)
+            if "compressed" in e:
+                self.compressed[key] = self._compressed(e["compressed"], where)
+
+    def _compressed(self, c, where: str) -> tuple:
+        """Validate and index one entry's "compressed" field (format: module docstring)."""
+        if not isinstance(c, dict) or not isinstance(c.get("ranges"), list) or \
+                not isinstance(c.get("codecs"), list) or \
+                not all(isinstance(x, str) and x for x in c["codecs"]):
+            self._fail(f"{where}: 'compressed' must hold 'codecs' (a list of codec names) and "
+                       "'ranges'")
+        maxes, lists = [], []
+        for j, r in enumerate(c["ranges"]):
+            if (not isinstance(r, list) or len(r) != 2 or not isinstance(r[1], list)
+                    or not (r[0] is None or isinstance(r[0], int))):
+                self._fail(f"{where} compressed range {j}: expected [max_bytes or null, "
+                           "[variant, ...]]")
+            if maxes and (maxes[-1] is None or (r[0] is not None and r[0] <= maxes[-1])):
+                self._fail(f"{where} compressed range {j}: max_bytes must increase, null only "
+                           "last")
+            variants = []
+            for v in r[1]:
+                backend, _, rest = v.partition("+") if isinstance(v, str) else ("", "", "")
+                codec, _, algo = rest.partition("@")
+                if not (backend and codec and algo):
+                    self._fail(f"{where} compressed range {j}: variant {v!r} is not "
+                               "'BACKEND+CODEC@ALGORITHM'")
+                variants.append((backend, codec, algo))
+            maxes.append(r[0])
+            lists.append(tuple(variants))
+        if not maxes:
+            self._fail(f"{where}: 'compressed' has no ranges")
+        bounds = [m if m is not None else float("inf") for m in maxes]
+        return tuple(c["codecs"]), bounds, lists
 
     @classmethod
     def load(cls, path: str) -> "TuningTable":
@@ -132,6 +180,21 @@ class TuningTable:
             return names[-1]
         i = bisect.bisect_left(bounds, nbytes)
         return names[i] if i < len(names) else None
+
+
+    def lookup_compressed(self, op: str, world_size: int, device: str, dtype_class: str,
+                          nbytes: int | None, hosts: int = 1):
+        """``(codecs measured, variants)`` for a message of ``nbytes`` (None: the largest
+        range), variants as (backend, codec, algorithm) fastest first, only those that
+        beat the plain backends there; None when the entry holds nothing about
+        compression (no such entry, or tuned without ``--compression``). Exact dtype
+        class only: the variants were measured on float32."""
+        hit = self.compressed.get((op, world_size, hosts, device, dtype_class))
+        if hit is None:
+            return None
+        codecs, bounds, lists = hit
+        i = len(lists) - 1 if nbytes is None else bisect.bisect_left(bounds, nbytes)
+        return (codecs, lists[i]) if i < len(lists) else None
 
 
 def parse_override(text: str | None) -> dict:

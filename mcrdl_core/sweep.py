@@ -12,10 +12,20 @@ arrays on the current device, and each timed call ends with a synchronize of CuP
 current stream (NCCL calls return once enqueued, and the caller's stream is made to wait
 on them), so a call's time includes the GPU's part. Sizes are bytes per rank (the
 selection size, see selection.py).
+
+Compressed variants (``mcrdl tune --compression``) are more columns of the same point,
+named ``BACKEND+CODEC@ALGORITHM`` (``compressed_columns``): each allowed codec's ring
+over each backend for all_gather, reduce_scatter and all_reduce, and its all-to-all
+variant for reduce_scatter. They run on N(0, 1) data (the same on every rank; codec
+speed can depend on values, and constant data would flatter it), shared by all the
+compressed columns of a point; their all_reduce averages (AVG) so the values stay
+put from call to call instead of doubling into Inf, which int8/int4 would carry on a
+slower path.
 """
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 
@@ -48,11 +58,34 @@ def array_module(device: str):
     return cupy()
 
 
+#: the compressed algorithms measured per op (all_gather's a2a, one backend all-gather
+#: of the encoded bytes, is left out: it is the ring's wire volume in one call)
+COMPRESSED_ALGORITHMS = {"all_gather": ("ring",), "reduce_scatter": ("ring", "a2a"),
+                         "all_reduce": ("ring",)}
+
+
+def compressed_columns(op: str, backends, codecs) -> list[str]:
+    """The compressed variants measured for ``op``: ``BACKEND+CODEC@ALGORITHM`` for each
+    codec, algorithm and (plain, not control) backend; none for other ops."""
+    return [f"{b}+{c}@{a}" for c in codecs for a in COMPRESSED_ALGORITHMS.get(op, ())
+            for b in backends if "@" not in b and "+" not in b]
+
+
+def split_column(label: str) -> tuple[str, str | None]:
+    """(backend, compression spec or None) of a sweep column: ``mpi`` and the A/A
+    control ``mpi@2`` are plain mpi; ``mpi+int8@ring`` is mpi carrying int8@ring."""
+    backend, plus, spec = label.partition("+")
+    return (backend, spec) if plus else (label.split("@")[0], None)
+
+
 def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None,
-              device: str = "cpu"):
+              device: str = "cpu", compression: str | None = None, pool: dict | None = None):
     """A zero-argument function doing one ``op`` of ``nbytes`` per rank on ``backend``,
-    on host memory or (``device="cuda"``) on the current GPU, synchronized per call."""
-    fn = _make_call(op, nbytes, backend, dtype, group, array_module(device))
+    on host memory or (``device="cuda"``) on the current GPU, synchronized per call.
+    ``compression``: a spec (``"int8@ring"``) for all_gather, reduce_scatter and
+    all_reduce; ``pool``: a dict in which the calls of one point share their buffers."""
+    fn = _make_call(op, nbytes, backend, dtype, group, array_module(device), compression,
+                    {} if pool is None else pool)
     if device == "cpu":
         return fn
     sync = array_module(device).cuda.get_current_stream().synchronize
@@ -63,14 +96,36 @@ def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None,
     return on_gpu
 
 
-def _make_call(op, nbytes, backend, dtype, group, xp):
+def _buffers(xp, dtype, count: int, n: int, pool: dict, gaussian: bool):
+    """(x, big): ``count`` and ``n * count`` elements, ones (plain columns) or N(0, 1)
+    (compressed columns), made once per point and kept in ``pool``."""
+    key = ("gaussian" if gaussian else "ones", count, n)
+    if key not in pool:
+        if gaussian:
+            vals = np.random.default_rng(0).standard_normal(count * n).astype(dtype)
+            big = xp.asarray(vals)
+            pool[key] = (xp.array(big[:count]), big)
+        else:
+            pool[key] = (xp.ones(count, dtype=dtype), xp.ones(count * n, dtype=dtype))
+    return pool[key]
+
+
+def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=None):
     rt = get_runtime()
     g = rt.group(group)
     n, me = g.size, g.rank
     count = max(nbytes // np.dtype(dtype).itemsize, 1)
-    x = xp.ones(count, dtype=dtype)
-    big = xp.ones(count * n, dtype=dtype)
+    if compression is not None and op not in COMPRESSED_ALGORITHMS:
+        raise ValueError(f"{op} has no compressed variant; only {sorted(COMPRESSED_ALGORITHMS)}")
+    x, big = _buffers(xp, dtype, count, n, {} if pool is None else pool,
+                      compression is not None)
     kw = {"group": group, "backend": backend}
+    if compression is not None:
+        kw["compression"] = compression
+        if op == "all_reduce":
+            return lambda: api.all_reduce(x, "avg", **kw)
+    elif op in COMPRESSED_ALGORITHMS and os.environ.get("MCRDL_COMPRESSION"):
+        kw["compression"] = "off"  # a plain column is the backend's own collective
     root = g.ranks[0]
     if op == "all_reduce":
         return lambda: api.all_reduce(x, **kw)
@@ -117,9 +172,13 @@ def measure_point(op: str, nbytes: int, backends, trials: int, warmup: int = 3,
     send_recv reports one-way latency (half the round trip)."""
     rt = get_runtime()
     sync_backend = "mpi" if rt.unavailable_reason("mpi") is None else "gloo"
-    # "mpi@2" measures mpi a second time: an A/A control that shows the noise floor
-    calls = {b: make_call(op, nbytes, b.split("@")[0], dtype, group, device)
-             for b in backends}
+    # "mpi@2" measures mpi a second time: an A/A control that shows the noise floor;
+    # "mpi+int8@ring" is a compressed variant over mpi (compressed_columns)
+    pool: dict = {}
+    calls = {}
+    for b in backends:
+        name, spec = split_column(b)
+        calls[b] = make_call(op, nbytes, name, dtype, group, device, spec, pool)
     for fn in calls.values():
         for _ in range(warmup):
             fn()
@@ -186,15 +245,18 @@ def sizes_between(lo: int, hi: int) -> list[int]:
 
 
 def sweep(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32, group=None,
-          on_point=None, device: str = "cpu") -> dict:
-    """{op: {size: {backend: median seconds}}}. ``on_point(op, size)`` after each point
-    (a progress bar). Barrier is measured once (it has no size)."""
+          on_point=None, device: str = "cpu", compression=()) -> dict:
+    """{op: {size: {column: median seconds}}}, a column per backend plus, with
+    ``compression`` (codec names), the compressed variants of ``compressed_columns``.
+    ``on_point(op, size)`` after each point (a progress bar). Barrier is measured once
+    (it has no size)."""
     results = {}
     for op in ops:
         pts = [0] if op == "barrier" else sizes
+        cols = list(backends) + compressed_columns(op, backends, compression)
         results[op] = {}
         for size in pts:
-            results[op][size] = measure_point(op, size, backends,
+            results[op][size] = measure_point(op, size, cols,
                                               trials_for(size, trials_scale), dtype=dtype,
                                               group=group, device=device)
             if on_point:

@@ -1,7 +1,19 @@
 """``compression="auto:fp16+int8"``: compression allowed, used only where it pays.
 
-The choice is made from measurements, the same on every rank of the group. At the
-first auto call on a (group, backend), every rank times (best of 3) the backend's own
+The choice is made from measurements, the same on every rank of the group.
+
+From the tuning table first. When the table in force (``MCRDL_TUNING_TABLE``) holds
+compressed measurements for the call's key (op, ranks, hosts, device, float) -- written
+by ``mcrdl tune --compression CODECS`` -- and those cover every codec the call allows,
+the call takes the first variant listed for its size (fastest first, each already
+faster than every plain backend) whose codec it allows and whose backend can run here
+(an explicit ``backend=``, the group's default or ``MCRDL_BACKEND`` restricts the
+variants to that backend); none: the plain collective. Every rank reads the same file,
+so every rank makes the same choice; nothing is calibrated. ``compression="table"``
+(an Auto naming no codec) allows exactly the codecs the table measured, and without
+such measurements is the plain collective.
+
+Otherwise a calibration. At the first auto call on a (group, backend), every rank times (best of 3) the backend's own
 all-gather and reduce-scatter and the ring variant of each allowed codec, at two sizes
 per rank (``CAL_SIZES``: 64 KiB and 2 MiB of float32). The figures are reduced with MAX
 over the group, so every rank holds the same ones and makes the same choice (a rank
@@ -28,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..dtypes import dtype_class, float32
 from ..ops import Op
 from .spec import Compression, make_codec
 
@@ -45,12 +58,13 @@ _OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER)
 
 @dataclass(frozen=True)
 class Auto:
-    """The codecs auto selection may use (nothing else is ever chosen)."""
+    """The codecs auto selection may use (nothing else is ever chosen); none named
+    (``compression="table"``): those the tuning table measured."""
 
     codecs: tuple
 
     def __str__(self) -> str:
-        return "auto:" + "+".join(self.codecs)
+        return "auto:" + "+".join(self.codecs) if self.codecs else "table"
 
 
 @dataclass(frozen=True)
@@ -173,33 +187,92 @@ def decide(cal: Calibration, op: Op, count: int, itemsize: int = 4) -> Compressi
     return Compression(best, "ring")
 
 
-def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None):
-    """The Compression to use for this call, or None for the plain collective."""
+def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None,
+           nbytes: int | None = None, device: str = "cpu"):
+    """``(Compression or None, backend)`` for this call: None for the plain collective
+    (``backend`` returned as given); a tuning-table choice also names the backend its
+    variant was measured on. ``count``: elements per rank's block; ``nbytes``: the
+    selection size (selection.py: the per-rank payload; all-reduce's whole buffer),
+    from ``count`` if None. ``device``: the buffers' device kind."""
     if group.size == 1 or count == 0:
-        return None
-    key = (group.id, backend, auto.codecs, op, count, dtype.itemsize)
+        return None, backend
+    if nbytes is None:  # all-reduce: the buffer is P blocks
+        nbytes = count * dtype.itemsize * (group.size if op is Op.ALL_REDUCE else 1)
+    table = getattr(rt, "table", None)
+    override = getattr(rt, "override", None) or {}
+    key = (group.id, backend, auto.codecs, op, count, dtype, nbytes, device, table,
+           frozenset(override.items()))
     hit = _DECIDED.get(key)
     if hit is None:
         if len(_DECIDED) > 4096:
             _DECIDED.clear()
-        cal = calibrate(rt, group, backend, auto.codecs)
-        hit = _DECIDED[key] = (decide(cal, op, count, dtype.itemsize),)
-    return hit[0]
+        hit = from_table(auto, rt, group, op, nbytes, device, dtype, backend)
+        if hit is MISS:
+            if not auto.codecs:  # "table": only what the table measured
+                hit = (None, backend)
+            else:
+                cal = calibrate(rt, group, backend, auto.codecs)
+                hit = (decide(cal, op, count, dtype.itemsize), backend)
+        _DECIDED[key] = hit
+    return hit
 
 
 _DECIDED: dict = {}
+#: from_table's answer when the table has nothing to say about this call
+MISS = object()
+
+
+def _canonical(codec: str) -> str:
+    try:
+        return make_codec(codec).name  # "int8" and "int8:256" are one codec
+    except Exception:  # noqa: BLE001 -- a name this build cannot make is never chosen
+        return "?" + codec
+
+
+def from_table(auto: Auto, rt, group, op: Op, nbytes: int, device: str, dtype,
+               backend: str | None):
+    """Pure apart from reading ``rt``: ``MISS`` when the table holds no compressed
+    measurements for this call (or not for every codec ``auto`` allows), else
+    ``(Compression, backend)`` of the fastest listed variant the call may use, or
+    ``(None, backend)``: plain."""
+    table = getattr(rt, "table", None)
+    if table is None or not hasattr(table, "lookup_compressed"):
+        return MISS
+    hosts = rt.bootstrap.hosts_in(group.ranks)
+    hit = table.lookup_compressed(op.value, group.size, device, dtype_class(dtype), nbytes,
+                                  hosts)
+    if hit is None:
+        return MISS
+    measured, variants = hit
+    measured = {_canonical(c) for c in measured}
+    allowed = {_canonical(c) for c in auto.codecs} if auto.codecs else measured
+    if not allowed <= measured:
+        return MISS  # a codec the table never measured: calibrate them all alike
+    forced = backend if backend is not None else group.backend
+    if forced in (None, "auto"):
+        override = getattr(rt, "override", None) or {}
+        forced = override.get(op.value) or override.get("*")
+    for be, codec, algo in variants:
+        name = _canonical(codec)
+        if name not in allowed or (forced is not None and be != forced):
+            continue
+        if rt.unavailable_reason(be) is not None:
+            continue
+        if make_codec(codec).lossy and not dtype.is_floating:
+            continue
+        return Compression(codec, algo), be
+    return None, backend
 
 
 def describe(spec: str, op: str, group_size: int, count: int, backend: str | None = None) -> str:
     """What auto chooses for ``op`` (name) on the world (for benchmarks): 'plain' or a
-    Compression's spec. Calibrates on first use (collective)."""
+    Compression's spec (``int8@ring``, plus `` on mpi`` when the tuning table's variant
+    runs on another backend than ``backend``). Calibrates on first use (collective)."""
     from ..runtime import get_runtime
     from .spec import parse
 
     rt = get_runtime()
-    cz = choose(parse(spec), rt, rt.world, Op(op), count, _F32, backend)
-    return "plain" if cz is None else str(cz)
-
-
-class _F32:
-    itemsize = 4
+    cz, be = choose(parse(spec), rt, rt.world, Op(op), count, float32, backend)
+    if cz is None:
+        return "plain"
+    return str(cz) if be == backend else f"{cz} on {be}"

@@ -1,7 +1,9 @@
 """The compressed variants of the core's calls. ``mcrdl_core.api`` validates the
 arguments as for any call, then hands the Buffers here when a compression is allowed
 (keyword or ``MCRDL_COMPRESSION``); everything below runs before anything is sent
-until the ScheduleWork is created."""
+until the ScheduleWork is created. An ``auto`` spec is settled here (auto.choose): the
+plain collective, or a Compression over the backend the caller named or the one the
+tuning table measured the winning variant on."""
 from __future__ import annotations
 
 import functools
@@ -56,7 +58,8 @@ def all_gather(rt, g, out, inp, cz, backend, async_op, writes=None, then=None):
     """``out`` (P*n elements) gets every rank's ``inp`` (n elements). ``writes``: the
     user's buffers when ``out`` is a staging buffer that ``then`` copies into them."""
     if isinstance(cz, Auto):
-        cz = choose(cz, rt, g, Op.ALL_GATHER, inp.numel, inp.dtype, backend)
+        cz, backend = choose(cz, rt, g, Op.ALL_GATHER, inp.numel, inp.dtype, backend,
+                             inp.nbytes, inp.device.kind)
         if cz is None:
             return _plain(rt, g, Op.ALL_GATHER, backend, inp, lambda be: be.all_gather(g, out, inp),
                           (inp,), writes or (out,), async_op, out.nbytes, then)
@@ -83,7 +86,8 @@ def all_gather(rt, g, out, inp, cz, backend, async_op, writes=None, then=None):
 def reduce_scatter(rt, g, out, inp, op, cz, backend, async_op):
     """``out`` (n elements) gets block r of the sum over ranks of ``inp`` (P*n)."""
     if isinstance(cz, Auto):
-        cz = choose(cz, rt, g, Op.REDUCE_SCATTER, out.numel, out.dtype, backend)
+        cz, backend = choose(cz, rt, g, Op.REDUCE_SCATTER, out.numel, out.dtype, backend,
+                             out.nbytes, out.device.kind)
         if cz is None:
             return _plain(rt, g, Op.REDUCE_SCATTER, backend, out,
                           lambda be: be.reduce_scatter(g, out, inp, op), (inp,), (out,),
@@ -113,7 +117,8 @@ def all_reduce(rt, g, buf, op, cz, backend, async_op):
     P, n = g.size, buf.numel
     m = -(-n // P)
     if isinstance(cz, Auto):
-        cz = choose(cz, rt, g, Op.ALL_REDUCE, m, buf.dtype, backend)
+        cz, backend = choose(cz, rt, g, Op.ALL_REDUCE, m, buf.dtype, backend, buf.nbytes,
+                             buf.device.kind)
         if cz is None:
             return _plain(rt, g, Op.ALL_REDUCE, backend, buf, lambda be: be.all_reduce(g, buf, op),
                           (), (buf,), async_op, buf.nbytes)

@@ -10,6 +10,10 @@ Spelling of a compression spec (keyword argument or environment variable):
   compression), ``p2p`` (its baseline: encode and decode at every hop) or ``a2a`` (one
   backend call on the encoded bytes: all-to-all for reduce-scatter, ZeRO++ qgZ style;
   all-gather for all-gather, qwZ style);
+- ``"auto:fp16+int8"``: these codecs where they pay (auto.py: from the tuning table's
+  measurements when it has them, else a calibration at the first call); ``"table"``:
+  the codecs ``mcrdl tune --compression`` measured, where the table says they win (and
+  the backend's own collective wherever it holds no such measurement);
 - or a :class:`Compression` object (``chunks=`` sets the pipeline depth).
 
 ``MCRDL_COMPRESSION`` gives the process default, for all three ops (``int8``) or per op
@@ -78,6 +82,10 @@ def _parse_text(spec: str, _chunks_env):
     text = spec.strip().lower()
     if text in ("", "off", "0", "false"):
         return None
+    if text == "table":  # the codecs `mcrdl tune --compression` measured, where they won
+        from .auto import Auto
+
+        return Auto(())
     if text.startswith("auto"):
         from .auto import Auto
 
@@ -85,7 +93,8 @@ def _parse_text(spec: str, _chunks_env):
         if text[4:5] != ":" or not codecs:
             raise InvalidArgumentError(f"compression {spec!r}: name the codecs auto may use, "
                                        "e.g. 'auto:fp16+int8' (lossy codecs are never chosen "
-                                       "unless named)")
+                                       "unless named), or 'table' for those the tuning table "
+                                       "recorded (mcrdl tune --compression)")
         for c in codecs:
             make_codec(c, "float32")
         return Auto(codecs)
@@ -152,7 +161,7 @@ def _resolve(compression, op: Op, dtype: _dt.DType, reduce_op):
     cz = parse(compression) if compression is not None else env_default(op)
     if cz is None:
         return None
-    for name in getattr(cz, "codecs", None) or (cz.codec,):
+    for name in cz.codecs if hasattr(cz, "codecs") else (cz.codec,):
         if make_codec(name, dtype.name).lossy and not dtype.is_floating:
             raise DtypeError(f"compression {name!r} is lossy and refuses {dtype.name} data; "
                              "pass compression=None (or 'none') for integer tensors")
