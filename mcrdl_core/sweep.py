@@ -97,16 +97,15 @@ def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None,
 
 
 def _buffers(xp, dtype, count: int, n: int, pool: dict, gaussian: bool):
-    """(x, big): ``count`` and ``n * count`` elements, ones (plain columns) or N(0, 1)
-    (compressed columns), made once per point and kept in ``pool``."""
-    key = ("gaussian" if gaussian else "ones", count, n)
+    """(x, big): ``count`` and ``n * count`` elements: ones, fresh for each plain column;
+    N(0, 1) for the compressed columns, made once per point and shared through ``pool``
+    (ten or more columns of 64 MiB buffers would not fit otherwise)."""
+    if not gaussian:
+        return xp.ones(count, dtype=dtype), xp.ones(count * n, dtype=dtype)
+    key = (count, n)
     if key not in pool:
-        if gaussian:
-            vals = np.random.default_rng(0).standard_normal(count * n).astype(dtype)
-            big = xp.asarray(vals)
-            pool[key] = (xp.array(big[:count]), big)
-        else:
-            pool[key] = (xp.ones(count, dtype=dtype), xp.ones(count * n, dtype=dtype))
+        big = xp.asarray(np.random.default_rng(0).standard_normal(count * n).astype(dtype))
+        pool[key] = (xp.array(big[:count]), big)
     return pool[key]
 
 
