@@ -59,6 +59,10 @@ SETTINGS = settings(max_examples=200, deadline=None,
 @given(problems())
 def test_plan_properties(prob):
     shape, dtype, src, dst, opts = prob
+    check_plan(shape, dtype, src, dst, opts)
+
+
+def check_plan(shape, dtype, src, dst, opts):
     plan = make_plan(shape, dtype, src, dst, **opts)
     isz = np.dtype(plan.dtype if plan.dtype != "bfloat16" else "uint16").itemsize
     src_tiles = {r: src.tile(shape, r) for r in src.mesh.rank_list()}
@@ -80,7 +84,7 @@ def test_plan_properties(prob):
         assert not set(t.receivers) & set(t.candidates)
         assert len(set(t.receivers)) == len(t.receivers) and t.receivers
         assert t.nbytes == int(np.prod(box_shape(t.box))) * isz > 0
-        if opts["balance"] == "first":
+        if opts.get("balance") == "first":
             assert t.sender == min(t.candidates)
     for r, b in plan.local:  # local copies: data the rank holds already
         assert r in src_tiles and _inside(b, src_tiles[r])
@@ -99,6 +103,25 @@ def test_plan_properties(prob):
     assert again.to_json() == plan.to_json()
     back = Plan.from_json(plan.to_json())
     assert back.fingerprint() == plan.fingerprint() and back.to_json() == plan.to_json()
+
+
+_BIG = Mesh(np.arange(64).reshape(8, 8), ("x", "y"))
+_BIG2 = Mesh(np.arange(32, 96).reshape(4, 16), ("p", "q"))
+
+
+@pytest.mark.parametrize("shape, src, dst", [
+    ((50, 37), Layout(_BIG, ["x", "y"]), Layout(_BIG2, ["q", "p"])),  # uneven, overlapping
+    ((50, 37), Layout(_BIG, ["x"]), Layout(_BIG2, [None, ("p", "q")], "nested")),  # replicas
+    ((101,), Layout(_BIG, [("x", "y")]), Layout(_BIG2, [("q", "p")], "nested")),
+    ((6, 5, 4), Layout(_BIG, [None, "y"]), Layout(_BIG2, ["p", None, "q"])),
+])
+@pytest.mark.parametrize("opts", [dict(hosts=8), dict(hosts=4, balance="least_load"),
+                                  dict(hosts=3, method="send_recv", order="naive"),
+                                  dict(hosts=8, method="send_recv_allgather")])
+def test_plan_properties_on_bigger_meshes(shape, src, dst, opts):
+    """The planner's array code over meshes of 64 ranks: many replicas per host, ranks
+    in both meshes, uneven and empty blocks."""
+    check_plan(shape, "float32", src, dst, opts)
 
 
 def test_chunking_jax_and_dtensor_rules():

@@ -193,8 +193,9 @@ class Layout:
         return [chunk_bounds(int(n), [self.mesh.axis_size(a) for a in e], self.chunking)
                 for n, e in zip(shape, spec)]
 
-    def tile_index(self, shape: Sequence[int]) -> dict:
-        """{rank: per-dimension block index (a tuple)}; ranks with equal tuples are replicas."""
+    def tile_index_array(self, shape: Sequence[int]) -> np.ndarray:
+        """Per dimension, the block index of every rank of the mesh in row-major order:
+        an int64 array (tensor dimensions, mesh size)."""
         spec = self.dim_spec(len(shape))
         axes = self.mesh.axis_names
         sizes = self.mesh.shape
@@ -204,6 +205,11 @@ class Layout:
             for a in e:
                 i = axes.index(a)
                 idx[d] = idx[d] * sizes[i] + coords[i]
+        return idx
+
+    def tile_index(self, shape: Sequence[int]) -> dict:
+        """{rank: per-dimension block index (a tuple)}; ranks with equal tuples are replicas."""
+        idx = self.tile_index_array(shape)
         return dict(zip(self.mesh.rank_list(), map(tuple, idx.T.tolist())))
 
     def tile(self, shape: Sequence[int], rank: int) -> tuple | None:

@@ -20,9 +20,10 @@
 """
 from __future__ import annotations
 
+import gc
 import math
-from bisect import bisect_right
-from itertools import product
+
+import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import InvalidArgumentError
@@ -45,7 +46,9 @@ def host_labels(hosts, ranks) -> dict:
     if isinstance(hosts, int):
         if hosts < 1:
             raise InvalidArgumentError(f"hosts={hosts}: ranks per host must be >= 1")
-        return {r: f"h{r // hosts}" for r in ranks}
+        q = (np.asarray(ranks, np.int64) // hosts).tolist()
+        names = {k: f"h{k}" for k in set(q)}
+        return dict(zip(ranks, map(names.__getitem__, q)))
     try:
         out = {r: str(hosts[r]) for r in ranks}
     except (KeyError, IndexError, TypeError):
@@ -60,28 +63,59 @@ def _check_choice(name: str, value: str, allowed) -> None:
         raise InvalidArgumentError(f"{name}={value!r}; use one of {list(allowed)}")
 
 
-def _pieces(S: list, D: list, j: int) -> list:
-    """Pieces of destination block ``j`` (``[D[j], D[j+1])``) over source boundaries
-    ``S``: [(source block, (lo, hi), hi - lo), ...] without empty ones."""
-    lo, hi = D[j], D[j + 1]
-    if lo >= hi:
-        return []
-    out = []
-    i = bisect_right(S, lo) - 1
+def _dim_pieces(S: list, D: list) -> tuple:
+    """The pieces of every destination block of one dimension over the source blocks.
+
+    ``S``, ``D``: source and destination block boundaries. Block ``j`` (``[D[j],
+    D[j+1])``) meets source blocks ``i0 .. i1-1`` (bisection of its ends over ``S``);
+    the non-empty intersections are its pieces, in source order. Returns int64 arrays
+    (first piece of each block, pieces per block, and per piece: source block, lo, hi)."""
+    S = np.asarray(S, np.int64)
+    D = np.asarray(D, np.int64)
     k = len(S) - 1
-    while i < k and S[i] < hi:
-        a, b = max(lo, S[i]), min(hi, S[i + 1])
-        if a < b:
-            out.append((i, (a, b), b - a))
-        i += 1
-    return out
+    lo, hi = D[:-1], D[1:]
+    i0 = np.searchsorted(S, lo, "right") - 1
+    i1 = np.minimum(np.searchsorted(S, hi, "left"), k)
+    span = np.where(lo < hi, np.maximum(i1 - i0, 0), 0)
+    j = np.repeat(np.arange(len(lo)), span)
+    i = i0[j] + np.arange(len(j)) - np.repeat(np.cumsum(span) - span, span)
+    a = np.maximum(lo[j], S[i])
+    b = np.minimum(hi[j], S[i + 1])
+    keep = a < b  # empty source blocks give empty intersections
+    j, i, a, b = j[keep], i[keep], a[keep], b[keep]
+    count = np.bincount(j, minlength=len(lo))
+    return np.cumsum(count) - count, count, i, a, b
+
+
+def _boxes(lo: np.ndarray, hi: np.ndarray, n: int) -> list:
+    """``n`` boxes ``((lo, hi), ...)`` of Python ints from (units, dims) arrays."""
+    if lo.shape[1] == 0:
+        return [()] * n
+    return list(zip(*[zip(lo[:, d].tolist(), hi[:, d].tolist()) for d in range(lo.shape[1])]))
 
 
 def make_plan(global_shape, dtype, src: Layout, dst: Layout, *, method: str = "broadcast",
               balance: str = "lpt", order: str = "rounds", hosts=None,
               link: LinkModel | None = None) -> Plan:
     """Plan moving a tensor of ``global_shape`` and ``dtype`` from layout ``src`` to
-    ``dst``. See the module docstring; ``hosts`` as in :func:`host_labels`."""
+    ``dst``. See the module docstring; ``hosts`` as in :func:`host_labels`.
+
+    The units, their sizes, the default senders, the bytes on the links and the
+    prediction of the common transfers (one receiver on another host) are computed with
+    NumPy over all units at once; the greedy steps (balancing, rounds) stay sequential
+    loops over plain lists, and the rest is per-tile, not per-unit, Python. The garbage
+    collector is paused meanwhile: the plan's many small tuples are no cycles, and its
+    passes over every object of the process cost more than the planning."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, link)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, link) -> Plan:
     _check_choice("method", method, METHODS)
     _check_choice("balance", balance, BALANCES)
     _check_choice("order", order, ORDERS)
@@ -99,147 +133,249 @@ def make_plan(global_shape, dtype, src: Layout, dst: Layout, *, method: str = "b
     dt = _dt.lookup(dtype)
     isz = dt.itemsize
     link = link or LinkModel()
+    ndim = len(shape)
 
     sb, db = src.bounds(shape), dst.bounds(shape)
-    sidx, didx = src.tile_index(shape), dst.tile_index(shape)
-    all_ranks = sorted(set(sidx) | set(didx))
+    s_ranks = src.mesh.ranks.reshape(-1)
+    d_ranks = dst.mesh.ranks.reshape(-1)
+    s_nblk = [len(b) - 1 for b in sb]
+    d_nblk = [len(b) - 1 for b in db]
+    s_flat = _flat(src.tile_index_array(shape), s_nblk)  # source tile id of every rank
+    d_flat = _flat(dst.tile_index_array(shape), d_nblk)
+    all_ranks = np.union1d(s_ranks, d_ranks).tolist()
     labels = host_labels(hosts, all_ranks)
     host_id = {lab: i for i, lab in enumerate(sorted(set(labels.values())))}
-    hid = {r: host_id[labels[r]] for r in all_ranks}
     id_label = {i: lab for lab, i in host_id.items()}
+    nhosts = len(host_id)
+    hid_arr = np.zeros(all_ranks[-1] + 1, np.int64)
+    hid_arr[all_ranks] = list(map(host_id.__getitem__, map(labels.__getitem__, all_ranks)))
+    hid = hid_arr.tolist()  # host id by rank
 
-    src_tiles: dict = {}
-    for r in sorted(sidx):
-        src_tiles.setdefault(sidx[r], []).append(r)
-    src_tiles = {k: tuple(v) for k, v in src_tiles.items()}
-    dst_tiles: dict = {}
-    for r in sorted(didx):
-        dst_tiles.setdefault(didx[r], []).append(r)
-    src_sets = {k: frozenset(v) for k, v in src_tiles.items()}
-    # candidate senders per source tile: the lowest rank of each host holding it
-    src_by_host: dict = {}
-    for k, rs in src_tiles.items():
-        seen = {}
-        for r in rs:
-            seen.setdefault(hid[r], r)
-        src_by_host[k] = sorted(seen.items())  # [(host, rank)]
+    # source tiles (every id 0 .. ns-1 has a holder): holders ascending, candidate
+    # senders (the lowest rank of each host holding the tile, by host)
+    ns = math.prod(s_nblk)
+    o = np.lexsort((s_ranks, s_flat))
+    sr, sf = s_ranks[o], s_flat[o]
+    if len(sr) == ns:  # no replicas: one holder per tile
+        src_tiles = [(r,) for r in sr.tolist()]
+        cand_hosts = [(h,) for h in hid_arr[sr].tolist()]
+        cand_ranks = src_tiles
+    else:
+        src_tiles = _groups(sr.tolist(), sf, ns)
+        sh = hid_arr[sr]
+        o = np.lexsort((sr, sh, sf))
+        f2, h2, r2 = sf[o], sh[o], sr[o]
+        lead = np.ones(len(o), bool)
+        lead[1:] = (f2[1:] != f2[:-1]) | (h2[1:] != h2[:-1])
+        cand_hosts = _groups(h2[lead].tolist(), f2[lead], ns)
+        cand_ranks = _groups(r2[lead].tolist(), f2[lead], ns)
 
-    ndim = len(shape)
-    piece_cache = [dict() for _ in range(ndim)]
-    transfers, local = [], []
-    tile_hosts = []  # per transfer: {host: receivers there} (shared by a tile's units)
-    for tidx in sorted(dst_tiles):
-        receivers = dst_tiles[tidx]
-        all_need = tuple(receivers)
-        ph_all = None
-        per_dim = []
-        for d in range(ndim):
-            c = piece_cache[d]
-            p = c.get(tidx[d])
-            if p is None:
-                p = c[tidx[d]] = _pieces(sb[d], db[d], tidx[d])
-            per_dim.append(p)
-        for combo in product(*per_dim):
-            if combo:
-                sid, box, lens = zip(*combo)
-            else:  # a 0-d tensor: one unit, the empty box
-                sid, box, lens = (), (), ()
-            holders = src_sets[sid]
-            if holders.isdisjoint(receivers):
-                need = all_need
-                if ph_all is None:
-                    ph_all = _per_host(need, hid)
-                ph = ph_all
-            else:
-                need = []
-                for r in receivers:
-                    if r in holders:
-                        local.append((r, box))
-                    else:
-                        need.append(r)
-                if not need:
-                    continue
+    # destination tiles in index order: receivers (ascending), receivers per host
+    o = np.lexsort((d_ranks, d_flat))
+    t_ids = np.unique(d_flat)
+    recv_l = _groups(d_ranks[o].tolist(), np.searchsorted(t_ids, d_flat[o]), len(t_ids))
+    if len(t_ids) == len(d_ranks):  # no replicas: one receiver per tile
+        ph_l = [{h: 1} for h in hid_arr[d_ranks[o]].tolist()]
+    else:
+        ph_l = [_per_host(rs, hid) for rs in recv_l]
+    t_nrecv = np.array([len(rs) for rs in recv_l], np.int64)
+    t_nrh = np.array([len(ph) for ph in ph_l], np.int64)
+    t_h0 = np.array([next(iter(ph)) for ph in ph_l], np.int64)
+
+    # --- units: every destination tile x the product of its per-dimension pieces ------
+    pieces = [_dim_pieces(sb[d], db[d]) for d in range(ndim)]
+    tidx = np.array(np.unravel_index(t_ids, d_nblk)).reshape(ndim, -1) if ndim else \
+        np.zeros((0, len(t_ids)), np.int64)
+    counts = [pieces[d][1][tidx[d]] for d in range(ndim)]
+    per_tile = np.prod(np.array(counts).reshape(ndim, -1), axis=0).astype(np.int64) if ndim \
+        else np.ones(len(t_ids), np.int64)
+    ut = np.repeat(np.arange(len(t_ids)), per_tile)  # tile of each unit (position in t_ids)
+    rem = np.arange(len(ut)) - np.repeat(np.cumsum(per_tile) - per_tile, per_tile)
+    pidx = [None] * ndim
+    for d in range(ndim - 1, -1, -1):  # itertools.product order: the last dimension fastest
+        c = counts[d][ut]
+        pidx[d] = pieces[d][0][tidx[d][ut]] + rem % c
+        rem = rem // c
+    lo = np.stack([pieces[d][3][pidx[d]] for d in range(ndim)], axis=1) if ndim else \
+        np.zeros((len(ut), 0), np.int64)
+    hi = np.stack([pieces[d][4][pidx[d]] for d in range(ndim)], axis=1) if ndim else lo
+    sid = _flat(np.array([pieces[d][2][pidx[d]] for d in range(ndim)]).reshape(ndim, -1),
+                s_nblk) if ndim else np.zeros(len(ut), np.int64)
+    nbytes = np.prod(hi - lo, axis=1).astype(np.int64) * isz
+
+    # units some receivers already hold: local copies (ranks in both meshes)
+    in_both = np.isin(d_ranks, s_ranks)
+    local: list = []
+    special: dict = {}  # unit -> (receivers that need it, their hosts)
+    keep = np.ones(len(ut), bool)
+    if in_both.any():
+        pos_of = {int(k): i for i, k in enumerate(t_ids.tolist())}
+        s_of = dict(zip(s_ranks.tolist(), s_flat.tolist()))
+        pairs = np.array(sorted({pos_of[int(t)] * ns + s_of[int(r)]
+                                 for r, t in zip(d_ranks[in_both], d_flat[in_both])}), np.int64)
+        hit = np.flatnonzero(np.isin(ut * ns + sid, pairs))
+        hit_boxes = _boxes(lo[hit], hi[hit], len(hit))
+        for u, box in zip(hit.tolist(), hit_boxes):
+            holders = src_tiles[int(sid[u])]
+            need = []
+            for r in recv_l[int(ut[u])]:
+                if r in holders:
+                    local.append((r, box))
+                else:
+                    need.append(r)
+            if need:
                 need = tuple(need)
-                ph = _per_host(need, hid)
-            transfers.append(Transfer(len(transfers), box, -1, need, math.prod(lens) * isz, 0,
-                                      sid))
-            tile_hosts.append(ph)
+                special[u] = (need, _per_host(need, hid))
+            else:
+                keep[u] = False
+    tu = np.flatnonzero(keep)  # the units that make a transfer, in unit order: ids 0..
+    nt = len(tu)
+    t_tile = ut[tu]
+    t_sid = sid[tu]
+    t_n = nbytes[tu]
+    tl = t_tile.tolist()
+    recv = list(map(recv_l.__getitem__, tl))
+    phs = list(map(ph_l.__getitem__, tl))
+    for i, u in enumerate(tu.tolist()) if special else ():
+        if u in special:
+            recv[i], phs[i] = special[u]
 
     # --- senders ------------------------------------------------------------------------
-    load: dict = {}
-    seq = (sorted(transfers, key=lambda t: (-t.nbytes, t.id)) if balance == "lpt"
-           else transfers)
-    for t in seq:
-        ph = tile_hosts[t.id]
-        cands = src_by_host[t.candidates]
-        if balance == "first" or len(cands) == 1:
-            s = src_tiles[t.candidates][0]
-            h = hid[s]
-        else:
-            best = None
-            for h, r in cands:
-                add = _egress(method, t.nbytes, ph, h)
-                key = (load.get(h, 0) + add, 0 if h in ph else 1, h, r)
-                if best is None or key < best:
-                    best = key
-            h, s = best[2], best[3]
-        t.sender = s
-        load[h] = load.get(h, 0) + _egress(method, t.nbytes, ph, h)
-        t.candidates = src_tiles[t.candidates]
-    recv_hosts = tile_hosts
+    first = np.array([rs[0] if rs else -1 for rs in src_tiles], np.int64)
+    ncand = np.array([len(c) for c in cand_hosts], np.int64)
+    sender = first[t_sid]
+    if balance != "first" and nt and ncand[t_sid].max() > 1:
+        seq = (np.lexsort((np.arange(nt), -t_n)) if balance == "lpt" else np.arange(nt))
+        sender = _balance(method, seq.tolist(), t_sid.tolist(), t_n.tolist(), phs,
+                          list(map(len, recv)), cand_hosts, cand_ranks, sender.tolist(),
+                          hid, nhosts)
+        sender = np.array(sender, np.int64)
+    shost = hid_arr[sender] if nt else np.zeros(0, np.int64)
+    shost_l = shost.tolist()
 
     # --- rounds -------------------------------------------------------------------------
     if order == "naive":
-        for i, t in enumerate(transfers):
-            t.round = i
-        nrounds = len(transfers)
+        rnd = np.arange(nt)
+        nrounds = nt
     else:
-        used: list = []  # per round, the hosts in it
-        first_free: dict = {}  # host -> no round before this one is free for it
-        for t in sorted(transfers, key=lambda t: (-t.nbytes, t.id)):
-            hs = set(recv_hosts[t.id])
-            hs.add(hid[t.sender])
-            r = max(first_free.get(h, 0) for h in hs)
-            while r < len(used) and not used[r].isdisjoint(hs):
-                r += 1
-            if r == len(used):
-                used.append(set())
-            used[r].update(hs)
-            t.round = r
-            for h in hs:
-                f = first_free.get(h, 0)
-                while f < len(used) and h in used[f]:
-                    f += 1
-                first_free[h] = f
-        nrounds = len(used)
-    transfers.sort(key=lambda t: (t.round, t.id))
+        seq = np.lexsort((np.arange(nt), -t_n)).tolist()
+        rnd = np.array(_rounds(seq, phs, shost_l, nhosts) if nt else [], np.int64)
+        nrounds = int(rnd.max()) + 1 if nt else 0
 
     # --- bytes on the links, prediction -------------------------------------------------
-    out_b: dict = {}
-    in_b: dict = {}
-    round_time = [0.0] * nrounds
+    n_recv, n_rhost, rhost0 = t_nrecv[t_tile], t_nrh[t_tile], t_h0[t_tile]
+    for i, u in enumerate(tu.tolist()) if special else ():
+        if u in special:
+            ph = phs[i]
+            n_recv[i], n_rhost[i], rhost0[i] = len(recv[i]), len(ph), next(iter(ph))
+    simple = (n_rhost == 1) & (n_recv == 1) & (rhost0 != shost)
+    if method == "send_recv_allgather":
+        simple[:] = False
+    out_b = np.zeros(nhosts, np.int64)
+    in_b = np.zeros(nhosts, np.int64)
+    tt = np.zeros(nt, np.float64)
+    lat = link.latency * (2 if method == "broadcast" else 1)
+    tt[simple] = lat + t_n[simple] / link.bandwidth
+    np.add.at(out_b, shost[simple], t_n[simple])
+    np.add.at(in_b, rhost0[simple], t_n[simple])
     memo: dict = {}
-    for t in transfers:
-        ph = recv_hosts[t.id]
-        s = hid[t.sender]
-        key = (id(ph), s, t.nbytes)
-        hit = memo.get(key)
-        if hit is None:
-            hit = memo[key] = _link_use(method, link, t.nbytes, ph, s)
-        outs, ins, tt = hit
+    t_n_l = t_n.tolist()
+    for i in np.flatnonzero(~simple).tolist():
+        ph = phs[i]
+        key = (id(ph), shost_l[i], t_n_l[i])
+        use = memo.get(key)
+        if use is None:
+            use = memo[key] = _link_use(method, link, t_n_l[i], ph, shost_l[i])
+        outs, ins, tt[i] = use
         for h, b in outs:
-            out_b[h] = out_b.get(h, 0) + b
+            out_b[h] += b
         for h, b in ins:
-            in_b[h] = in_b.get(h, 0) + b
-        if tt > round_time[t.round]:
-            round_time[t.round] = tt
-    busiest = max([0] + list(out_b.values()) + list(in_b.values()))
-    host_bytes = {id_label[h]: (out_b.get(h, 0), in_b.get(h, 0))
-                  for h in sorted(set(out_b) | set(in_b))}
+            in_b[h] += b
+    round_time = np.zeros(nrounds, np.float64)
+    np.maximum.at(round_time, rnd, tt)
+    busiest = int(max(out_b.max(initial=0), in_b.max(initial=0)))
+    used = np.flatnonzero((out_b > 0) | (in_b > 0)).tolist()
+    ob, ib = out_b.tolist(), in_b.tolist()
+    host_bytes = {id_label[h]: (ob[h], ib[h]) for h in used}
+
+    # --- the transfers, by (round, id) --------------------------------------------------
+    o = np.lexsort((np.arange(nt), rnd)).tolist()
+    boxes = _boxes(lo[tu], hi[tu], nt)
+    snd, rl, nl, sl = sender.tolist(), rnd.tolist(), t_n_l, t_sid.tolist()
+    transfers = [Transfer(i, boxes[i], snd[i], recv[i], nl[i], rl[i], src_tiles[sl[i]])
+                 for i in o]
     return Plan(global_shape=shape, dtype=dt.name, itemsize=isz, src=src, dst=dst,
                 hosts=labels, method=method, balance=balance, order=order, link=link,
                 transfers=transfers, local=local, host_bytes=host_bytes, rounds=nrounds,
-                predicted_s=sum(round_time), lower_bound_s=busiest / link.bandwidth)
+                predicted_s=sum(round_time.tolist()), lower_bound_s=busiest / link.bandwidth)
+
+
+def _groups(values: list, keys: np.ndarray, n: int) -> list:
+    """Tuples of ``values`` (sorted by ``keys``, ints in ``[0, n)``), one per key."""
+    cut = np.searchsorted(keys, np.arange(n + 1)).tolist()
+    return [tuple(values[a:b]) for a, b in zip(cut[:-1], cut[1:])]
+
+
+def _flat(idx: np.ndarray, nblk: list) -> np.ndarray:
+    """Mixed-radix number of per-dimension block indices (dims, n): the first major."""
+    out = np.zeros(idx.shape[1], np.int64)
+    for d, k in enumerate(nblk):
+        out = out * k + idx[d]
+    return out
+
+
+def _balance(method, seq, sid, n, phs, nrecv, cand_hosts, cand_ranks, sender, hid, nhosts):
+    """Choose a sender per transfer, visiting them in ``seq`` order: the candidate host
+    with the fewest bytes out so far counting this transfer (ties: a host that also
+    receives it, then the lower host); its lowest-ranked replica sends."""
+    load = [0] * nhosts
+    for i in seq:
+        ch = cand_hosts[sid[i]]
+        ph = phs[i]
+        if method == "broadcast":
+            dflt = n[i]
+        elif method == "send_recv":
+            dflt = n[i] * nrecv[i]
+        else:
+            dflt = n[i] * len(ph)
+        if len(ch) == 1:
+            h = ch[0]
+            load[h] += dflt if h not in ph else _egress(method, n[i], ph, h)
+            continue
+        if ph.keys().isdisjoint(ch):  # the usual case: every candidate adds the same
+            h = min(ch, key=load.__getitem__)  # the first minimum: the lowest host
+            sender[i] = cand_ranks[sid[i]][ch.index(h)]
+            load[h] += dflt
+            continue
+        best = None
+        for h, r in zip(ch, cand_ranks[sid[i]]):
+            add = _egress(method, n[i], ph, h) if h in ph else dflt
+            key = (load[h] + add, 0 if h in ph else 1, h, r)
+            if best is None or key < best:
+                best = key
+        sender[i] = best[3]
+        load[best[2]] = best[0]
+    return sender
+
+
+def _rounds(seq, phs, shost, nhosts) -> list:
+    """First fit, visiting transfers in ``seq`` order: each goes into the first round in
+    which none of its hosts appears yet. Each host's rounds are the bits of an int."""
+    busy = [0] * nhosts
+    rnd = [0] * len(shost)
+    for i in seq:
+        sh = shost[i]
+        ph = phs[i]
+        occ = busy[sh]
+        for h in ph:
+            occ |= busy[h]
+        r = (~occ & (occ + 1)).bit_length() - 1  # the lowest free round
+        bit = 1 << r
+        busy[sh] |= bit
+        for h in ph:
+            busy[h] |= bit
+        rnd[i] = r
+    return rnd
 
 
 def _link_use(method: str, link: LinkModel, n: int, ph: dict, s: int) -> tuple:
