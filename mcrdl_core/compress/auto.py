@@ -42,7 +42,7 @@ import numpy as np
 
 from ..dtypes import dtype_class, float32
 from ..ops import Op
-from .spec import Compression, make_codec
+from .spec import ALGORITHMS, Compression, make_codec
 
 log = logging.getLogger("mcrdl.compress")
 
@@ -254,8 +254,9 @@ def from_table(auto: Auto, rt, group, op: Op, nbytes: int, device: str, dtype,
         forced = override.get(op.value) or override.get("*")
     for be, codec, algo in variants:
         name = _canonical(codec)
-        if name not in allowed or (forced is not None and be != forced):
-            continue
+        if name not in allowed or name.startswith("?") or algo not in ALGORITHMS or \
+                (forced is not None and be != forced):
+            continue  # not allowed, not known to this build, or not the forced backend
         if rt.unavailable_reason(be) is not None:
             continue
         if make_codec(codec).lossy and not dtype.is_floating:
