@@ -313,8 +313,23 @@ def test_auto_keeps_plain_on_fast_links_and_compresses_on_slow_ones():
     with pytest.raises(InvalidArgumentError, match="name the codecs"):
         parse("auto")
     assert str(parse("auto:fp16+int8")) == "auto:fp16+int8"
-    with pytest.raises(DtypeError):
-        resolve("auto:int8", Op.ALL_GATHER, dt.int32)
+    assert resolve("auto:int8", Op.ALL_GATHER, dt.int32) is None  # only where it can: plain
+
+
+def test_process_wide_and_auto_specs_leave_what_they_cannot_compress_plain(monkeypatch):
+    """An explicit codec refuses integers and MAX; MCRDL_COMPRESSION (one switch for a
+    whole job) and auto:/table leave those calls uncompressed instead of failing them."""
+    monkeypatch.setenv("MCRDL_COMPRESSION", "int8")
+    assert resolve(None, Op.ALL_GATHER, dt.int64) is None
+    assert resolve(None, Op.ALL_REDUCE, dt.float32, ReduceOp.MAX) is None
+    assert resolve(None, Op.ALL_REDUCE, dt.float32, ReduceOp.SUM).codec == "int8"
+    for spec in ("auto:int8", "table"):  # ("table" names no codec: integers are left
+        assert resolve(spec, Op.ALL_REDUCE, dt.float32, ReduceOp.MAX) is None  # to auto.py)
+    assert resolve("auto:int8", Op.REDUCE_SCATTER, dt.int32) is None
+    with pytest.raises(DtypeError, match="lossy"):
+        resolve("int8", Op.ALL_GATHER, dt.int64)
+    with pytest.raises(UnsupportedError, match="SUM and AVG"):
+        resolve("int8", Op.ALL_REDUCE, dt.float32, ReduceOp.MAX)
 
 
 def test_fp16_host_casts_through_torch_give_numpy_bits(monkeypatch):

@@ -158,14 +158,23 @@ _RESOLVED: dict = {}
 
 
 def _resolve(compression, op: Op, dtype: _dt.DType, reduce_op):
+    """An explicit codec refuses what it cannot compress; a process-wide setting (the
+    environment: a whole FSDP/DDP job) and the "only where it pays" specs (``auto:``,
+    ``table``) leave those calls plain instead, as users of one switch for a whole
+    program expect (a MAX all-reduce of a gradient norm, an integer counter)."""
     cz = parse(compression) if compression is not None else env_default(op)
     if cz is None:
         return None
+    lenient = compression is None or hasattr(cz, "codecs")
     for name in cz.codecs if hasattr(cz, "codecs") else (cz.codec,):
         if make_codec(name, dtype.name).lossy and not dtype.is_floating:
+            if lenient:
+                return None
             raise DtypeError(f"compression {name!r} is lossy and refuses {dtype.name} data; "
                              "pass compression=None (or 'none') for integer tensors")
     if reduce_op is not None and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+        if lenient:
+            return None
         raise UnsupportedError(f"compressed {op} supports ReduceOp SUM and AVG, not "
                                f"{reduce_op.name}; pass compression=None for it")
     return cz
