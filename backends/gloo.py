@@ -116,10 +116,6 @@ class GlooWork(Work):
             self.twork.wait()  # returns at once; raises the library's error if it failed
         return True
 
-    def _complete(self, error=None):
-        super()._complete(error)
-        self.keep = ()
-
 
 def _avg(buf: Buffer, n: int):
     def fin():

@@ -79,9 +79,15 @@ class MPIWork(Work):
             if w.status is not None and not w._done and w._poll():
                 w._complete()
 
-    def _complete(self, error=None):
-        super()._complete(error)
-        self.keep = ()
+
+class _FastWork(MPIWork):
+    """An MPIWork of the fast path (``MPIBackend.work_of``): what is the same for all of
+    them is set on the class instead of on each."""
+
+    backend, desc, status, _error, _result = "mpi", "", None, None, None
+
+    def _poll(self) -> bool:
+        return self.req.Test()  # no status: never a receive
 
 
 def _spec(buf: Buffer, count: int | None = None):
@@ -284,30 +290,29 @@ class MPIBackend(Backend):
 
     # --- the fast path (mcrdl_core.fastpath) -------------------------------------------
     def fast_all_reduce(self, group, dtype, op):
-        """An issuer ``issue(buf) -> MPI request`` of an in-place ``Iallreduce`` on host
-        buffers of ``dtype``, bound once to the group's communicator, datatype and op;
-        None where a finishing step is needed (16-bit floats are reduced upcast, AVG
-        divides at the end): those take the general path."""
+        """An issuer ``issue(ptr, count) -> MPI request`` of an in-place ``Iallreduce`` of
+        ``count`` elements of ``dtype`` at host address ``ptr``, bound once to the group's
+        communicator, datatype and op; None where a finishing step is needed (16-bit
+        floats are reduced upcast, AVG divides at the end): those take the general path."""
         if dtype.is_half or op is ReduceOp.AVG or dtype not in _TYPES:
             return None
         iallreduce = self.comm(group).Iallreduce
         fromaddress, in_place = MPI.buffer.fromaddress, MPI.IN_PLACE
-        mtype, mop = _TYPES[dtype], _OPS[op]
+        mtype, mop, isz = _TYPES[dtype], _OPS[op], dtype.itemsize
 
-        def issue(buf):
-            mem = fromaddress(buf.ptr if buf.numel else 0, buf.numel * buf.dtype.itemsize)
-            return iallreduce(in_place, [mem, buf.numel, mtype], mop)
+        def issue(ptr, count):
+            return iallreduce(in_place, [fromaddress(ptr if count else 0, count * isz), count,
+                                         mtype], mop)
 
         return issue
 
-    def work_of(self, op, group, req, buf):
-        """The Work of a request the fast path issued on ``buf`` (no finalizer, no
-        status): the attributes set directly, about 0.4 µs less than the constructor."""
-        w = MPIWork.__new__(MPIWork)
-        w.backend, w.op, w.group, w.desc, w._finalizers = "mpi", op, group, "", []
-        w._done, w._error, w._result, w.engine = False, None, None, None
-        w.req, w.keep, w.status = req, (buf,), None
-        w.spans = ((buf.ptr, buf.ptr + buf.numel * buf.dtype.itemsize, True),)
+    def work_of(self, op, group, req, ptr, nbytes, owner):
+        """The Work of a request the fast path issued on ``nbytes`` at ``ptr`` (``owner``
+        keeps the memory alive), made without the constructor: about 0.4 µs less."""
+        w = _FastWork.__new__(_FastWork)
+        w.op, w.group, w._finalizers, w._done, w.engine = op, group, [], False, None
+        w.req, w.keep = req, (owner,)
+        w.spans = ((ptr, ptr + nbytes, True),)
         return w
 
     def barrier(self, group):

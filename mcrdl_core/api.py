@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
+from numpy import ndarray as _ndarray
+
 from . import debug as _debug
 from . import fastpath as _fast
 from . import validate as _v
@@ -127,6 +129,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
                compression=None):
     """``compression``: allow a codec (docs/compression.md); None: MCRDL_COMPRESSION/off.
     Small host calls with nothing else in flight take ``fastpath`` (same checks, memoized)."""
+    if compression is None and type(tensor) is _ndarray:
+        done = _fast.ndarray_all_reduce(get_runtime(), tensor, op, group, async_op, backend)
+        if done is not _fast.MISS:
+            return done
     buf = _v.output(tensor, "tensor")
     if compression is None:
         done = _fast.all_reduce(get_runtime(), buf, op, group, async_op, backend)

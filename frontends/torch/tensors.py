@@ -12,6 +12,9 @@ import torch
 from mcrdl_core import dtypes as dt
 from mcrdl_core.buffer import CPU, Buffer, Device
 from mcrdl_core.errors import DtypeError, InvalidArgumentError
+from mcrdl_core.fastpath import MISS
+from mcrdl_core.fastpath import host_all_reduce as _host_all_reduce
+from mcrdl_core.runtime import get_runtime as _rt
 
 _DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32: dt.float32,
            torch.float64: dt.float64, torch.int8: dt.int8, torch.uint8: dt.uint8,
@@ -38,6 +41,22 @@ def to_buffer(t) -> Buffer:
                                    "tensors")
     strides = None if t.is_contiguous() else tuple(t.stride())
     return Buffer(t.data_ptr(), tuple(t.shape), dtype, device, strides, False, t)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as DTensor
+
+
+def fast_all_reduce(t, op, group, async_op, backend):
+    """``mcrdl_core.fastpath.host_all_reduce`` with its facts read off a plain,
+    contiguous CPU tensor (about 0.4 µs, where a Buffer costs 1.2); MISS for any other
+    tensor, and whenever the core's fast path does not apply: the caller then takes the
+    general path, which checks everything and raises its errors."""
+    if type(t) in _PLAIN and t.is_cpu and t.is_contiguous():
+        dtype = _DTYPES.get(t.dtype)
+        if dtype is not None:
+            return _host_all_reduce(_rt(), t.data_ptr(), t.numel(), dtype, t, op, group,
+                                    async_op, backend)
+    return MISS
 
 
 def _bad(obj):

@@ -107,3 +107,22 @@ def test_logger_records_fast_calls():
     assert len(recs) == 2 and all(r[1] == 8 and r[2] == "mpi" and r[3] == SIZE for r in recs)
     np.testing.assert_array_equal(t.numpy(), np.full(2, float(SIZE * SIZE)))
 
+
+
+def test_facts_entries_need_a_memoized_key_and_stay_right():
+    """The facts entry (mcrdl_torch / NumPy: no Buffer) never fills the memo itself: a
+    new key is a MISS, the general path checks the call and fills it, later calls hit."""
+    rt = mcrdl_core.get_runtime()
+    a = values(RANK, 3, torch.float64).numpy().copy()
+    g = mcrdl_core.new_group(list(range(SIZE)))  # a fresh group: no key of it is memoized
+    assert fastpath.host_all_reduce(rt, a.ctypes.data, 3, mcrdl_core.dtypes.float64, a,
+                                    dist.ReduceOp.MAX, g, False, "mpi") is fastpath.MISS
+    for salt in range(3):
+        p = torch.nn.Parameter(values(RANK, 3, torch.float64, salt), requires_grad=False)
+        dist.all_reduce(p, op=dist.ReduceOp.MAX, group=g, backend="mpi")
+        np.testing.assert_array_equal(p.detach().numpy(),
+                                      expected(3, torch.float64, "max", range(SIZE), salt))
+    b = values(RANK, 3, torch.float64, 7).numpy().copy()
+    assert fastpath.host_all_reduce(rt, b.ctypes.data, 3, mcrdl_core.dtypes.float64, b,
+                                    dist.ReduceOp.MAX, g, False, "mpi") is None
+    np.testing.assert_array_equal(b, expected(3, torch.float64, "max", range(SIZE), 7))
