@@ -87,8 +87,9 @@ def _splits(s):
 
 
 # --- collectives --------------------------------------------------------------------------
-def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None):
-    return _path(x).all_reduce(x, op, group, backend)
+def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None, compression=None):
+    """``compression``: allow a lossy codec, as in mcrdl_torch (docs/compression.md)."""
+    return _path(x).all_reduce(x, op, group, backend, compression)
 
 
 def reduce(x, dst: int = 0, op=ReduceOp.SUM, group=None, backend=None):
@@ -100,18 +101,18 @@ def broadcast(x, src: int = 0, group=None, backend=None):
     return _path(x).broadcast(x, src, group, backend)
 
 
-def all_gather(x, group=None, backend=None, tiled: bool = False):
+def all_gather(x, group=None, backend=None, tiled: bool = False, compression=None):
     """Shape (n, *x.shape), or (n * x.shape[0], ...) with ``tiled=True``."""
-    y = _path(x).all_gather(x, group, backend)
+    y = _path(x).all_gather(x, group, backend, compression)
     if tiled:
         y = y.reshape((y.shape[0] * x.shape[0], *x.shape[1:]) if x.ndim else (y.shape[0],))
     return y
 
 
-def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None):
+def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None, compression=None):
     """``x.shape[0]`` must be a multiple of the group size n; returns block i of the
     reduction, shape (x.shape[0] // n, ...), on group rank i."""
-    return _path(x).reduce_scatter(x, op, group, backend)
+    return _path(x).reduce_scatter(x, op, group, backend, compression)
 
 
 def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split_sizes=None):

@@ -167,11 +167,11 @@ def _zero_after(zeros, used):
 
 # --- the ops ------------------------------------------------------------------------------
 def _all_reduce_bwd(st, res, ct):
-    op, group, backend = st
-    return [all_reduce(ct, op, group, backend)]
+    op, group, backend, compression = st
+    return [all_reduce(ct, op, group, backend, compression)]
 
 
-all_reduce = _vjp("all_reduce", 1, 3, lambda op, g, b: _linear(op, "all_reduce"),
+all_reduce = _vjp("all_reduce", 1, 4, lambda op, g, b, c: _linear(op, "all_reduce"),
                   _all_reduce_bwd)
 
 
@@ -194,24 +194,26 @@ def _broadcast_bwd(st, res, ct):
 broadcast = _vjp("broadcast", 1, 3, _none, _broadcast_bwd)
 
 
+# a compressed op's derivative uses the same codec (a compressed all-gather's backward
+# is a compressed reduce-scatter, as ZeRO++ pairs qwZ with qgZ)
 def _all_gather_bwd(st, res, ct):
-    group, backend = st
+    group, backend, compression = st
     (x,) = res
-    return [reduce_scatter(ct, ReduceOp.SUM, group, backend).reshape(x.shape)]
+    return [reduce_scatter(ct, ReduceOp.SUM, group, backend, compression).reshape(x.shape)]
 
 
-all_gather = _vjp("all_gather", 1, 2, _none, _all_gather_bwd)
+all_gather = _vjp("all_gather", 1, 3, _none, _all_gather_bwd)
 
 
 def _reduce_scatter_bwd(st, res, ct):
-    op, group, backend = st
+    op, group, backend, compression = st
     (x,) = res
-    full = all_gather(ct, group, backend).reshape(x.shape)
+    full = all_gather(ct, group, backend, compression).reshape(x.shape)
     return [_scale(full, ReduceOp.coerce(op), group)]
 
 
-reduce_scatter = _vjp("reduce_scatter", 1, 3, lambda op, g, b: _linear(op, "reduce_scatter"),
-                      _reduce_scatter_bwd)
+reduce_scatter = _vjp("reduce_scatter", 1, 4,
+                      lambda op, g, b, c: _linear(op, "reduce_scatter"), _reduce_scatter_bwd)
 
 
 def _all_to_all_bwd(st, res, ct):

@@ -107,8 +107,8 @@ def _or_input(y, x):
     return x if y is None else to_jax(y)
 
 
-def all_reduce(x, op, group, backend):
-    return to_jax(host.all_reduce(x, op, group, backend))
+def all_reduce(x, op, group, backend, compression=None):
+    return to_jax(host.all_reduce(x, op, group, backend, compression))
 
 
 def reduce(x, dst, op, group, backend):
@@ -119,12 +119,12 @@ def broadcast(x, src, group, backend):
     return to_jax(host.broadcast(x, src, group, backend))
 
 
-def all_gather(x, group, backend):
-    return to_jax(host.all_gather(x, group, backend))
+def all_gather(x, group, backend, compression=None):
+    return to_jax(host.all_gather(x, group, backend, compression))
 
 
-def reduce_scatter(x, op, group, backend):
-    return to_jax(host.reduce_scatter(x, op, group, backend))
+def reduce_scatter(x, op, group, backend, compression=None):
+    return to_jax(host.reduce_scatter(x, op, group, backend, compression))
 
 
 def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None):

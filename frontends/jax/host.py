@@ -62,9 +62,9 @@ def size(group) -> int:
     return _core.get_world_size(group)
 
 
-def all_reduce(x, op, group, backend):
+def all_reduce(x, op, group, backend, compression=None):
     out = copy_of(x)
-    _core.all_reduce(out, op, group, backend=backend)
+    _core.all_reduce(out, op, group, backend=backend, compression=compression)
     return out
 
 
@@ -80,17 +80,18 @@ def broadcast(x, src, group, backend):
     return out
 
 
-def all_gather(x, group, backend):
+def all_gather(x, group, backend, compression=None):
     """Stacked: shape (n, *x.shape)."""
     out = empty((size(group), *x.shape), np_dtype(x))
-    _core.all_gather_into_tensor(out, view(x), group, backend=backend)
+    _core.all_gather_into_tensor(out, view(x), group, backend=backend, compression=compression)
     return out
 
 
-def reduce_scatter(x, op, group, backend):
+def reduce_scatter(x, op, group, backend, compression=None):
     k = leading_blocks(x, size(group), "reduce_scatter")
     out = empty((k, *x.shape[1:]), np_dtype(x))
-    _core.reduce_scatter_tensor(out, view(x), op, group, backend=backend)
+    _core.reduce_scatter_tensor(out, view(x), op, group, backend=backend,
+                                compression=compression)
     return out
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import mcrdl_core as _core
 from mcrdl_core import debug as _debug
 from mcrdl_core import dtypes as _dt
+from mcrdl_core import fastpath as _fast
 from mcrdl_core import validate as _v
 from mcrdl_core.api import _prepare
 from mcrdl_core.buffer import CPU, Buffer
@@ -122,11 +123,22 @@ def _comm(g):
     return _core.get_runtime().backend("mpi").comm(g)
 
 
-def all_reduce(x, op, group, backend):
+def _compressed(op: Op, x, compression, reduce_op=None) -> bool:
+    """Whether the call compresses (the keyword, else MCRDL_COMPRESSION), decided and
+    checked at trace time: a compressed call runs the core's algorithm in the host
+    callback, on any backend (mpi4jax has no compressed collectives)."""
+    if compression is None and not _fast.compression_env():
+        return False
+    from mcrdl_core.compress import resolve
+
+    return resolve(compression, op, _probe(x).dtype, reduce_op) is not None
+
+
+def all_reduce(x, op, group, backend, compression=None):
     g, be, op = _lower(Op.ALL_REDUCE, x, group, backend, op)
-    if not _via_mpi4jax(be):
-        return _callback(lambda a: (host.all_reduce(a, op, g, be),), [_spec(x.shape, x.dtype)],
-                         x, what="all_reduce")
+    if not _via_mpi4jax(be) or _compressed(Op.ALL_REDUCE, x, compression, op):
+        return _callback(lambda a: (host.all_reduce(a, op, g, be, compression),),
+                         [_spec(x.shape, x.dtype)], x, what="all_reduce")
     xw, back = _wide(x)
     return back(_avg(mpi4jax.allreduce(xw, op=_MPI_OPS[op], comm=_comm(g)), op, g.size))
 
@@ -153,17 +165,17 @@ def broadcast(x, src, group, backend):
     return back(mpi4jax.bcast(xw, root=g.group_rank(src, "src"), comm=_comm(g)))
 
 
-def all_gather(x, group, backend):
+def all_gather(x, group, backend, compression=None):
     """Stacked, shape (n, *x.shape); the public function tiles."""
     g, be, _ = _lower(Op.ALL_GATHER, x, group, backend)
-    if not _via_mpi4jax(be):
-        return _callback(lambda a: (host.all_gather(a, g, be),),
+    if not _via_mpi4jax(be) or _compressed(Op.ALL_GATHER, x, compression):
+        return _callback(lambda a: (host.all_gather(a, g, be, compression),),
                          [_spec((g.size, *x.shape), x.dtype)], x, what="all_gather")
     xw, back = _bits(x)
     return back(mpi4jax.allgather(xw, comm=_comm(g)))
 
 
-def reduce_scatter(x, op, group, backend):
+def reduce_scatter(x, op, group, backend, compression=None):
     """On every backend, MPI included, a host callback running the core's reduce-scatter
     (MPI: ``Ireduce_scatter_block``), so that each rank receives only its 1/n block of
     the reduction. mpi4jax has no reduce-scatter; its all-reduce and a slice would
@@ -172,7 +184,9 @@ def reduce_scatter(x, op, group, backend):
     block = k * int(np.prod(x.shape[1:], dtype=np.int64))
     g, be, op = _lower(Op.REDUCE_SCATTER, x, group, backend, op,
                        nbytes=block * x.dtype.itemsize)
-    return _callback(lambda a: (host.reduce_scatter(a, op, g, be),),
+    if compression is not None or _fast.compression_env():
+        _compressed(Op.REDUCE_SCATTER, x, compression, op)  # its refusals, at trace time
+    return _callback(lambda a: (host.reduce_scatter(a, op, g, be, compression),),
                      [_spec((k, *x.shape[1:]), x.dtype)], x, what="reduce_scatter")
 
 

@@ -276,17 +276,63 @@ def test_fsdp2_through_the_registered_backend_trains_to_the_same_loss():
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_jax_calls_follow_the_process_default(monkeypatch, jit):
-    """mcrdl_jax has no compression= keyword yet: MCRDL_COMPRESSION reaches its eager
-    calls and, under jit, the calls that run through the host callback (gloo)."""
+    """MCRDL_COMPRESSION reaches mcrdl_jax's eager calls and, under jit, its calls on
+    any backend (a compressed call runs in the host callback, mpi included)."""
     jax = pytest.importorskip("jax")
     import mcrdl_jax as mj
 
     monkeypatch.setenv("MCRDL_COMPRESSION", "all_gather=int8")
     x = data(RANK, 512, 14)
-    fn = (lambda a: mj.all_gather(a, backend="gloo", tiled=True))
-    y = np.asarray((jax.jit(fn) if jit else fn)(jax.numpy.asarray(x)))
+    for backend in ("gloo", "mpi"):
+        fn = (lambda a, b=backend: mj.all_gather(a, backend=b, tiled=True))
+        y = np.asarray((jax.jit(fn) if jit else fn)(jax.numpy.asarray(x)))
+        for k in range(SIZE):
+            assert np.array_equal(y[k * 512:(k + 1) * 512],
+                                  local_round_trip("int8", data(k, 512, 14)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_compression_keyword(backend, jit):
+    """compression= on mcrdl_jax's all_gather, reduce_scatter and all_reduce, eager and
+    under jit, against NumPy on every rank; the plain call in the same program is exact."""
+    jax = pytest.importorskip("jax")
+    import mcrdl_jax as mj
+
+    x = data(RANK, SIZE * N, 17)
+    exact = sum(data(k, SIZE * N, 17).astype(np.float64) for k in range(SIZE))
+
+    def program(a):
+        return (mj.all_gather(a[:N], backend=backend, tiled=True, compression="int8"),
+                mj.reduce_scatter(a, backend=backend, compression="fp16"),
+                mj.all_reduce(a, backend=backend, compression="bf16"),
+                mj.all_reduce(a, backend=backend))
+
+    gathered, scattered, reduced, plain = (np.asarray(v) for v in (
+        (jax.jit(program) if jit else program)(jax.numpy.asarray(x))))
     for k in range(SIZE):
-        assert np.array_equal(y[k * 512:(k + 1) * 512], local_round_trip("int8", data(k, 512, 14)))
+        assert np.array_equal(gathered[k * N:(k + 1) * N],
+                              local_round_trip("int8", data(k, SIZE * N, 17)[:N]))
+    hops = max(SIZE - 1, 1)
+    assert rel(scattered, exact[RANK * N:(RANK + 1) * N]) <= TOL["fp16"] * hops
+    assert rel(reduced, exact) <= TOL["bf16"] * (hops + 1)
+    np.testing.assert_allclose(plain, exact, rtol=1e-5, atol=1e-4)
+    with pytest.raises(DtypeError, match="lossy"):  # refused before anything is sent
+        mj.all_gather(jax.numpy.arange(4), backend=backend, compression="int8")
+
+
+def test_jax_grad_of_a_compressed_all_gather_is_a_compressed_reduce_scatter():
+    """d/dx sum(w * all_gather(x)) = reduce_scatter(w), through the same codec (fp16):
+    within fp16's bound of the exact sum of every rank's weights."""
+    jax = pytest.importorskip("jax")
+    import mcrdl_jax as mj
+
+    x = jax.numpy.asarray(data(RANK, N, 18))
+    w = jax.numpy.asarray(data(RANK, SIZE * N, 19))
+    g = jax.jit(jax.grad(lambda a: (w * mj.all_gather(a, tiled=True,
+                                                       compression="fp16")).sum()))(x)
+    exact = sum(data(k, SIZE * N, 19).astype(np.float64) for k in range(SIZE))
+    assert rel(np.asarray(g), exact[RANK * N:(RANK + 1) * N]) <= TOL["fp16"] * max(SIZE - 1, 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
