@@ -123,7 +123,7 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
             plan: Plan | None = None, dtype=None, method: str = "broadcast",
             balance: str = "lpt", order: str = "rounds", backend: str | None = None,
             out=None, hosts="auto", link: LinkModel | None = None, check: bool = True,
-            chain: bool | None = None, segment: int | None = None):
+            chain: bool | None = None, segment: int | None = None, overlap: bool = True):
     """Move a tensor laid out as ``src`` to the layout ``dst`` (possibly on other ranks).
 
     ``local``: this rank's source tile (any DLPack array; None on ranks outside the
@@ -133,7 +133,9 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
     ``backend``: any backend name or None (selection as for other calls); ``check``:
     compare plan fingerprints across the ranks before the plan's first use;
     ``chain``/``segment`` (bytes): the segmented chain broadcast (default: over Gloo, and
-    between hosts from 64 KiB; see ``execute.py``). Every rank of the world calls it."""
+    between hosts from 64 KiB; see ``execute.py``); ``overlap``: post a rank's sends and
+    final receives of all rounds at once and wait at the end (default), or wait for each
+    transfer before the next (``False``). Every rank of the world calls it."""
     rt = get_runtime()
     rank = rt.rank
     buf = None if local is None else as_buffer(local)
@@ -197,7 +199,7 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
         return None
     if log.isEnabledFor(logging.DEBUG):
         log.debug("rank %d: %s", rank, plan.summary())
-    _ex.run(plan, rank, src_arr, out_arr, backend, chain, segment)
+    _ex.run(plan, rank, src_arr, out_arr, backend, chain, segment, overlap)
     if out is not None:
         return out
     return out_arr

@@ -1,26 +1,35 @@
 """Executors: run a :class:`Plan` on this rank, through the core's calls on any backend.
 
-Every rank walks its own transfers in round order and waits for each before the next,
-so that a round's transfers (which share no host) run together and rounds follow each
-other; a rank in no transfer only makes its local copies. Payloads travel as bytes
+Every rank walks its own transfers in round order. By default (``overlap=True``) it
+posts the sends and final receives of every round without waiting and waits for them
+all at the end, so that a rank's later transfers do not wait for its earlier ones (on
+the emulated cluster this took the all-to-all from 255 to 133 ms and halves -> thirds
+from 379 to 291 ms against a 281 ms link bound); relays, broadcasts on
+sub-communicators and all-gathers run in round order as they come, everything posted
+progressing meanwhile. ``overlap=False`` waits for each transfer before the next.
+A rank in no transfer only makes its local copies. Payloads travel as bytes
 (any dtype, bool and bfloat16 included); a box that is contiguous in the tensor (a
 run of leading-dimension rows, or the whole tile) is sent or received in place, other
 boxes are packed into and unpacked from a contiguous copy.
 
-- ``broadcast``: one broadcast per transfer from the sender to its receivers. Inside a
-  host, or for small messages, the backend's broadcast on the cached sub-communicator
-  of those ranks (``new_group`` of the core). Between hosts a segmented chain: sender,
-  receivers on the sender's host, then the other hosts one after the other, each
-  segment passed on as soon as it arrives, so every host's link carries the message
-  once, as NCCL's ring broadcast does. Gloo's broadcast is a binomial tree that sends
-  the whole message log2(p) times from the root, and MPICH's large-message broadcast
-  measured 4x slower than a chain at 1 Gbit/s to 4 hosts (2.37 s against the link's
-  0.59 s for 64 MiB), hence the chain. ``chain=True``/``False`` forces either; the
-  default chains every transfer over Gloo and, on other backends, transfers of at
-  least ``CHAIN_MIN_BYTES`` that leave the sender's host. Segments: ``segment`` bytes,
-  or ``MCRDL_RESHARD_SEGMENT``, or by default n/8 clamped to [64 KiB, 1 MiB]
-  (64 MiB to 4 hosts at 1 Gbit/s, one run each: 16 MiB segments 1.29 s, 4 MiB 1.19 s,
-  1 MiB 0.82 s, 512 KiB 0.78 s, 256 KiB 1.22 s; the link allows 0.59 s).
+- ``broadcast``: one broadcast per transfer from the sender to its receivers. To one
+  receiver it is a send. Inside a host, or below ``CHAIN_MIN_BYTES``, the backend's
+  broadcast on the cached sub-communicator of those ranks (``new_group`` of the core).
+  Between hosts a segmented chain: sender, receivers on the sender's host, then the
+  other hosts one after the other, each segment passed on as soon as it arrives, so
+  every host's link carries the message once, as NCCL's ring broadcast does. Gloo's
+  broadcast is a binomial tree that sends the whole message log2(p) times from the
+  root, and MPICH's large-message broadcast measured 4x slower than a chain at
+  1 Gbit/s to 4 hosts (2.37 s against the link's 0.59 s for 64 MiB), hence the chain.
+  A chain with relays starts only when its first receiver says so (a 1-byte message):
+  MPICH pushes up to a socket buffer's worth (several MiB) before the receive is
+  posted, so senders of later transfers to the same relay would otherwise share its
+  link with the transfer it is relaying and starve the pipeline (1D -> 2D on 4 hosts x
+  2: 1008 ms without, 678 ms with, against a 561 ms link bound). ``chain=True``/
+  ``False`` forces either; the default chains every transfer over Gloo and, on other
+  backends, transfers of at least ``CHAIN_MIN_BYTES`` that leave the sender's host.
+  Segments: ``segment`` bytes, or ``MCRDL_RESHARD_SEGMENT``, or by default
+  :func:`~.linkmodel.chain_segment` (n/8 clamped to [64 KiB, 1 MiB]).
 - ``send_recv``: the sender sends the whole box to every receiver.
 - ``send_recv_allgather``: per receiving host, the sender sends one piece to each of
   its receivers there, who then all-gather the pieces inside the host.
@@ -37,11 +46,13 @@ from .. import api as _api
 from ..buffer import as_buffer
 from ..errors import InvalidArgumentError
 from ..runtime import get_runtime
+from .linkmodel import chain_segment
 from .plan import Plan
 
 log = logging.getLogger("mcrdl.reshard")
 
 TAG = 0x7E5A  # point-to-point tag of resharding messages (< 32768, MPI's smallest tag bound)
+GO_TAG = TAG + 1  # a chain's first receiver tells the sender it has started the transfer
 CHAIN_MIN_BYTES = 1 << 16
 
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # runtime -> {ranks: Group}
@@ -138,6 +149,8 @@ class _Ctx:
         self.chain = chain
         self.segment = segment
         self.src_tile, self.dst_tile = tiles(plan, rank)
+        self.overlap = True
+        self.pending: list = []  # (works, arrays they use, what to do after)
 
     def source_bytes(self, box):
         v = self.src[_slices(box, self.src_tile)]
@@ -157,19 +170,53 @@ class _Ctx:
         with xp.cuda.Device(self.out.device.id):
             return xp.empty(nbytes, xp.uint8)
 
+    def token(self, like):
+        """A 1-byte message buffer on the device of ``like``."""
+        xp = _xp(like)
+        if xp is np:
+            return np.zeros(1, np.uint8)
+        with xp.cuda.Device(like.device.id):
+            return xp.zeros(1, xp.uint8)
+
     def store(self, view, flat) -> None:
         view[...] = flat.view(view.dtype).reshape(view.shape)
 
+    def later(self, works, keep=None, then=None) -> None:
+        """Wait for ``works`` now, or at :meth:`finish` when overlapping; ``keep``: arrays
+        the works use (alive until then); ``then``: called once they are done."""
+        if not self.overlap:
+            _wait(works)
+            if then is not None:
+                then()
+            return
+        self.pending.append((works, keep, then))
+
+    def finish(self) -> None:
+        for works, _, then in self.pending:
+            _wait(works)
+            if then is not None:
+                then()
+        self.pending.clear()
+
 
 def run(plan: Plan, rank: int, src_arr, out_arr, backend: str | None, chain: bool | None,
-        segment: int | None) -> None:
+        segment: int | None, overlap: bool = True) -> None:
     """Execute ``plan`` on ``rank``: ``src_arr`` is its source tile (None if it holds
-    none), ``out_arr`` its destination tile, written here (None if it receives none)."""
+    none), ``out_arr`` its destination tile, written here (None if it receives none).
+
+    ``overlap=True``: the sends and receives that need nothing from this rank in
+    between (a sender's sends, a last receiver's receives) are posted in round order
+    and waited for at the end, so a rank's transfers of later rounds do not wait for
+    those of earlier rounds to finish; relays in a chain, broadcasts on
+    sub-communicators and the all-gathers run in round order as they come, the other
+    work progressing meanwhile. ``False``: every transfer is waited for before the
+    next one (rounds one after the other on each rank)."""
     segment = segment or os.environ.get("MCRDL_RESHARD_SEGMENT")
     if segment is not None and int(segment) < 1:
         raise InvalidArgumentError(f"segment={segment}: chain segments need >= 1 byte")
     register_groups(plan, chain, backend)
     ctx = _Ctx(plan, rank, src_arr, out_arr, backend, chain, segment and int(segment))
+    ctx.overlap = overlap
     mine, local = plan.for_rank(rank)
     for box in local:
         ctx.out[_slices(box, ctx.dst_tile)] = ctx.src[_slices(box, ctx.src_tile)]
@@ -182,6 +229,7 @@ def run(plan: Plan, rank: int, src_arr, out_arr, backend: str | None, chain: boo
             _chain(ctx, t)
         else:
             _broadcast(ctx, t)
+    ctx.finish()
 
 
 def chained(plan: Plan, t, chain: bool | None, backend: str | None) -> bool:
@@ -189,6 +237,8 @@ def chained(plan: Plan, t, chain: bool | None, backend: str | None) -> bool:
     docstring); the same answer on every rank."""
     if chain is not None:
         return bool(chain)
+    if len(t.receivers) == 1:  # a chain of one hop: a plain send (MPICH's broadcast of
+        return True             # 16 MiB between two ranks of a host took 1.7x as long)
     if backend == "gloo" or (backend is None and _policy_backend() == "gloo"):
         return True
     if t.nbytes < CHAIN_MIN_BYTES:
@@ -198,7 +248,7 @@ def chained(plan: Plan, t, chain: bool | None, backend: str | None) -> bool:
 
 
 def segment_bytes(n: int, segment: int | None) -> int:
-    return segment if segment else min(1 << 20, max(64 << 10, n // 8))
+    return segment if segment else chain_segment(n)
 
 
 def _policy_backend() -> str | None:
@@ -223,9 +273,8 @@ def _receive(ctx: _Ctx, t, fn) -> None:
     wait for) into the destination tile, through a temporary when not contiguous."""
     flat, view = ctx.target(t.box)
     tmp = flat if flat is not None else ctx.scratch(t.nbytes)
-    _wait(fn(tmp))
-    if flat is None:
-        ctx.store(view, tmp)
+    works = fn(tmp)
+    ctx.later(works, tmp, None if flat is not None else lambda: ctx.store(view, tmp))
 
 
 def _broadcast(ctx: _Ctx, t) -> None:
@@ -247,19 +296,27 @@ def _chain(ctx: _Ctx, t) -> None:
     n, be = t.nbytes, ctx.backend
     seg = segment_bytes(n, ctx.segment)
     cuts = [(a, min(a + seg, n)) for a in range(0, n, seg)]
+    relays = len(order) > 2
     if i == 0:
         buf = ctx.source_bytes(t.box)
-        _wait([_api.send(as_buffer(buf[a:b]), nxt, None, TAG, True, be) for a, b in cuts])
+        if relays:  # wait until the first receiver has started this transfer
+            _api.recv(as_buffer(ctx.token(ctx.src)), nxt, None, GO_TAG, False, be)
+        ctx.later([_api.send(as_buffer(buf[a:b]), nxt, None, TAG, True, be) for a, b in cuts],
+                  buf)
         return
     prev = order[i - 1]
+    if relays and i == 1:
+        go = ctx.token(ctx.out)
+        ctx.later([_api.send(as_buffer(go), prev, None, GO_TAG, True, be)], go)
 
     def relay(a_u8):
         recvs = [_api.recv(as_buffer(a_u8[a:b]), prev, None, TAG, True, be) for a, b in cuts]
+        if nxt is None:  # the chain's end: nothing to pass on
+            return recvs
         sends = []
         for (a, b), w in zip(cuts, recvs):
             w.wait()
-            if nxt is not None:
-                sends.append(_api.send(as_buffer(a_u8[a:b]), nxt, None, TAG, True, be))
+            sends.append(_api.send(as_buffer(a_u8[a:b]), nxt, None, TAG, True, be))
         return sends
 
     _receive(ctx, t, relay)
@@ -267,8 +324,9 @@ def _chain(ctx: _Ctx, t) -> None:
 
 def _send_recv(ctx: _Ctx, t) -> None:
     if ctx.rank == t.sender:
-        buf = as_buffer(ctx.source_bytes(t.box))
-        _wait([_api.send(buf, r, None, TAG, True, ctx.backend) for r in t.receivers])
+        src = ctx.source_bytes(t.box)
+        buf = as_buffer(src)
+        ctx.later([_api.send(buf, r, None, TAG, True, ctx.backend) for r in t.receivers], src)
     else:
         _receive(ctx, t, lambda a: [_api.recv(as_buffer(a), t.sender, None, TAG, True,
                                               ctx.backend)])
@@ -289,7 +347,7 @@ def _send_recv_allgather(ctx: _Ctx, t) -> None:
             _, cuts = _pieces(t.nbytes, len(rs))
             works += [_api.send(as_buffer(buf[a:b]), r, None, TAG, True, be)
                       for r, (a, b) in zip(rs, cuts)]
-        _wait(works)
+        ctx.later(works, buf)
         return
     rs = next(rs for rs in hosts if ctx.rank in rs)
     k, i = len(rs), rs.index(ctx.rank)

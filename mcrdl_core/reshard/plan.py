@@ -19,7 +19,9 @@ JSON format (``"format": "mcrdl.reshard.plan"``, ``"version": 1``)::
                                          sorted by (round, id)
     local                                [[rank, box], ...]
     host_bytes                           {label: [bytes out, bytes in]} on the links
-    rounds, predicted_s, lower_bound_s
+    rounds, predicted_s, lower_bound_s   seconds; predicted_s for the executor's default
+                                         (overlap), the lower bound: the busiest link
+    predicted_waited_s                   seconds, rounds one after the other (overlap=False)
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class Plan:
     def __init__(self, *, global_shape, dtype, itemsize, src: Layout, dst: Layout, hosts: dict,
                  method: str, balance: str, order: str, link: LinkModel, transfers: list,
                  local: list, host_bytes: dict, rounds: int, predicted_s: float,
-                 lower_bound_s: float):
+                 lower_bound_s: float, predicted_waited_s: float | None = None):
         self.global_shape = tuple(global_shape)
         self.dtype = dtype
         self.itemsize = itemsize
@@ -87,7 +89,9 @@ class Plan:
         self.local = local  # [(rank, box)]
         self.host_bytes = host_bytes  # {label: [out, in]}
         self.rounds = rounds
-        self.predicted_s = predicted_s
+        self.predicted_s = predicted_s  # the executor's default, overlap=True
+        self.predicted_waited_s = (predicted_s if predicted_waited_s is None
+                                   else predicted_waited_s)  # overlap=False
         self.lower_bound_s = lower_bound_s
         self._fp = None
         self._by_rank = None
@@ -128,6 +132,7 @@ class Plan:
             "host_bytes": {str(h): list(v) for h, v in sorted(self.host_bytes.items(),
                                                                key=lambda kv: str(kv[0]))},
             "rounds": self.rounds, "predicted_s": self.predicted_s,
+            "predicted_waited_s": self.predicted_waited_s,
             "lower_bound_s": self.lower_bound_s,
         }
 
@@ -150,6 +155,7 @@ class Plan:
                    local=[(r, tuple(tuple(b) for b in box)) for r, box in d["local"]],
                    host_bytes={h: tuple(v) for h, v in d["host_bytes"].items()},
                    rounds=d["rounds"], predicted_s=d["predicted_s"],
+                   predicted_waited_s=d.get("predicted_waited_s"),
                    lower_bound_s=d["lower_bound_s"])
 
     @classmethod
@@ -168,7 +174,9 @@ class Plan:
                 f"{self.method}, balance={self.balance}, order={self.order}: "
                 f"{len(self.transfers)} transfers in {self.rounds} rounds, "
                 f"{self.total_bytes} B, {len(self.local)} local copies; predicted "
-                f"{self.predicted_s * 1e3:.3f} ms, lower bound {self.lower_bound_s * 1e3:.3f} ms")
+                f"{self.predicted_s * 1e3:.3f} ms (round by round "
+                f"{self.predicted_waited_s * 1e3:.3f} ms), lower bound "
+                f"{self.lower_bound_s * 1e3:.3f} ms")
 
     def __str__(self) -> str:
         lines = [self.summary(), f"  src {self.src!r}", f"  dst {self.dst!r}"]

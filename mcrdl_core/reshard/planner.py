@@ -14,9 +14,15 @@
 3. Rounds (``order``). ``"rounds"``: largest first, each transfer into the first round
    in which none of its hosts (sender's and receivers') appears yet; ``"naive"``: one
    transfer per round, in unit order.
-4. Prediction. Each round takes as long as its slowest transfer under the
-   :class:`LinkModel`; the plan's time is the sum over rounds. The lower bound is the
-   busiest host's bytes on its link (the larger of in and out) over the bandwidth.
+4. Prediction, for the executor's default (``overlap=True``: every rank posts its
+   sends and final receives of all rounds at once): the local copies (at the intra-host
+   bandwidth), then the busiest host's link (the larger of its bytes in and out over the
+   bandwidth; or, if longer, one rank's transfers inside a host one after the other),
+   plus the most any single transfer adds to its bytes on the link (the latencies of its
+   messages and the chain's pipeline fill: one segment per hop after the first). For
+   ``overlap=False`` (each transfer waited for before the next) ``predicted_waited_s``:
+   each round as long as its slowest transfer, the rounds one after the other. The
+   lower bound is the busiest host's link alone.
 """
 from __future__ import annotations
 
@@ -207,6 +213,7 @@ def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, lin
     in_both = np.isin(d_ranks, s_ranks)
     local: list = []
     special: dict = {}  # unit -> (receivers that need it, their hosts)
+    local_b: dict = {}  # rank -> bytes it copies locally
     keep = np.ones(len(ut), bool)
     if in_both.any():
         pos_of = {int(k): i for i, k in enumerate(t_ids.tolist())}
@@ -221,6 +228,7 @@ def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, lin
             for r in recv_l[int(ut[u])]:
                 if r in holders:
                     local.append((r, box))
+                    local_b[r] = local_b.get(r, 0) + int(nbytes[u])
                 else:
                     need.append(r)
             if need:
@@ -251,6 +259,7 @@ def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, lin
                           hid, nhosts)
         sender = np.array(sender, np.int64)
     shost = hid_arr[sender] if nt else np.zeros(0, np.int64)
+    snd0 = sender.tolist()
     shost_l = shost.tolist()
 
     # --- rounds -------------------------------------------------------------------------
@@ -278,22 +287,40 @@ def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, lin
     tt[simple] = lat + t_n[simple] / link.bandwidth
     np.add.at(out_b, shost[simple], t_n[simple])
     np.add.at(in_b, rhost0[simple], t_n[simple])
+    extra = 0.0  # the most any transfer between hosts adds to its bytes on the link
+    if simple.any():
+        extra = lat
+    intra: dict = {}  # rank -> seconds of its transfers inside one host
     memo: dict = {}
     t_n_l = t_n.tolist()
     for i in np.flatnonzero(~simple).tolist():
         ph = phs[i]
-        key = (id(ph), shost_l[i], t_n_l[i])
+        sh = shost_l[i]
+        key = (id(ph), sh, t_n_l[i])
         use = memo.get(key)
         if use is None:
-            use = memo[key] = _link_use(method, link, t_n_l[i], ph, shost_l[i])
+            use = memo[key] = _link_use(method, link, t_n_l[i], ph, sh)
         outs, ins, tt[i] = use
+        mine = 0
         for h, b in outs:
             out_b[h] += b
+            if h == sh:
+                mine += b
         for h, b in ins:
             in_b[h] += b
+        if mine:
+            extra = max(extra, tt[i] - mine / link.bandwidth)
+        else:
+            for r in (snd0[i],) + recv[i]:
+                intra[r] = intra.get(r, 0.0) + tt[i]
     round_time = np.zeros(nrounds, np.float64)
     np.maximum.at(round_time, rnd, tt)
     busiest = int(max(out_b.max(initial=0), in_b.max(initial=0)))
+    # overlapped execution (the executor's default): local copies, then the busiest link
+    # (or the longest run of transfers inside a host), plus the latencies and chain fill
+    # of the transfer that adds the most to its bytes
+    predicted = (max(local_b.values(), default=0) / link.intra_bandwidth
+                 + max(busiest / link.bandwidth, max(intra.values(), default=0.0)) + extra)
     used = np.flatnonzero((out_b > 0) | (in_b > 0)).tolist()
     ob, ib = out_b.tolist(), in_b.tolist()
     host_bytes = {id_label[h]: (ob[h], ib[h]) for h in used}
@@ -307,7 +334,8 @@ def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, lin
     return Plan(global_shape=shape, dtype=dt.name, itemsize=isz, src=src, dst=dst,
                 hosts=labels, method=method, balance=balance, order=order, link=link,
                 transfers=transfers, local=local, host_bytes=host_bytes, rounds=nrounds,
-                predicted_s=sum(round_time.tolist()), lower_bound_s=busiest / link.bandwidth)
+                predicted_s=predicted, predicted_waited_s=sum(round_time.tolist()),
+                lower_bound_s=busiest / link.bandwidth)
 
 
 def _groups(values: list, keys: np.ndarray, n: int) -> list:

@@ -78,30 +78,31 @@ def _check(y, G, dst, shape):
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 @pytest.mark.parametrize("method", METHODS)
 def test_random_layouts_match_numpy(method, backend):
-    for shape, dtype, src, dst, hosts, G in _cases(13, 12):
+    for i, (shape, dtype, src, dst, hosts, G) in enumerate(_cases(13, 12)):
         box = src.tile(shape, RANK)
         local = None if box is None else _slice(G, box).copy()
         y = mc.reshard(local, src, dst, shape, dtype=dtype, method=method, backend=backend,
-                       hosts=hosts)
+                       hosts=hosts, overlap=i % 4 != 3)
         _check(y, G, dst, shape)
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_chain_broadcast_segments_and_balancing_options(backend):
     """Chains with 40-byte segments on both backends, every balance and round order,
-    non-contiguous boxes, and a destination written into ``out``."""
+    overlapped or waited round by round, non-contiguous boxes, and a destination written
+    into ``out``."""
     rng = np.random.default_rng(5)
     shape = (5, 7, 3)
     G = _global(rng, shape, np.float32)
     src = Layout(Mesh(np.arange(SIZE), ("a",)), [None, "a"])
     dst = Layout(Mesh(np.arange(SIZE)[::-1], ("x",)), [None, None, "x"])
     for balance in ("lpt", "least_load", "first"):
-        for order in ("rounds", "naive"):
+        for order, overlap in (("rounds", True), ("naive", True), ("rounds", False)):
             box = dst.tile(shape, RANK)
             out = np.full(tuple(hi - lo for lo, hi in box), -1, np.float32)
             local = _slice(G, src.tile(shape, RANK)).copy()
             y = mc.reshard(local, src, dst, shape, backend=backend, chain=True, segment=40,
-                           balance=balance, order=order, hosts=1, out=out)
+                           balance=balance, order=order, hosts=1, out=out, overlap=overlap)
             assert y is out
             _check(y, G, dst, shape)
 
