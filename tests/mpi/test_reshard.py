@@ -86,11 +86,16 @@ def test_random_layouts_match_numpy(method, backend):
         _check(y, G, dst, shape)
 
 
+@pytest.mark.parametrize("go", [False, True])
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_chain_broadcast_segments_and_balancing_options(backend):
+def test_chain_broadcast_segments_and_balancing_options(backend, go, monkeypatch):
     """Chains with 40-byte segments on both backends, every balance and round order,
-    overlapped or waited round by round, non-contiguous boxes, and a destination written
-    into ``out``."""
+    overlapped or waited round by round, with or without the go message before a chain
+    with relays, non-contiguous boxes, and a destination written into ``out``."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["mcrdl_core.reshard.execute"], "GO_MIN_BYTES",
+                        0 if go else 1 << 60)
     rng = np.random.default_rng(5)
     shape = (5, 7, 3)
     G = _global(rng, shape, np.float32)
@@ -105,6 +110,12 @@ def test_chain_broadcast_segments_and_balancing_options(backend):
                            balance=balance, order=order, hosts=1, out=out, overlap=overlap)
             assert y is out
             _check(y, G, dst, shape)
+            # every rank gets the whole tensor: chains through all the others (relays)
+            whole = Layout(Mesh(np.roll(np.arange(SIZE), 1), ("x",)), [])
+            y = mc.reshard(local, src, whole, shape, backend=backend, chain=True,
+                           segment=40, balance=balance, order=order, hosts=1,
+                           overlap=overlap)
+            _check(y, G, whole, shape)
 
 
 def test_plan_is_printable_serializable_and_reusable():
