@@ -300,9 +300,10 @@ class MPIBackend(Backend):
         fromaddress, in_place = MPI.buffer.fromaddress, MPI.IN_PLACE
         mtype, mop, isz = _TYPES[dtype], _OPS[op], dtype.itemsize
 
-        def issue(ptr, count):
-            return iallreduce(in_place, [fromaddress(ptr if count else 0, count * isz), count,
-                                         mtype], mop)
+        def issue(mem, count):
+            if mem.__class__ is int:  # an address (else an object with the buffer protocol)
+                mem = fromaddress(mem if count else 0, count * isz)
+            return iallreduce(in_place, [mem, count, mtype], mop)
 
         return issue
 

@@ -113,13 +113,9 @@ def ndarray_all_reduce(rt, arr, op, group, async_op: bool, backend):
     cannot export (the general path then judges it)."""
     f = arr.flags
     dt = _BY_NP.get(arr.dtype)
-    if dt is None or not (f.c_contiguous and f.writeable and arr.size):
+    if dt is None or dt.is_half or not (f.c_contiguous and f.writeable and arr.size):
         return MISS
-    try:
-        ptr = _addressof(_c_char.from_buffer(arr))
-    except (TypeError, ValueError):
-        return MISS
-    return host_all_reduce(rt, ptr, arr.size, dt, arr, op, group, async_op, backend)
+    return host_all_reduce(rt, arr, arr.size, dt, arr, op, group, async_op, backend)
 
 
 def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op: bool,
@@ -159,6 +155,8 @@ def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op:
         t0 = time.perf_counter()
     req = issue(ptr, count)
     if async_op:
+        if ptr.__class__ is not int:
+            ptr = _addressof(_c_char.from_buffer(ptr))
         nbytes = count * dtype.itemsize
         work = be.work_of(Op.ALL_REDUCE, g, req, ptr, nbytes, owner)
         if logging_on:
@@ -173,6 +171,8 @@ def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op:
             deadline = time.perf_counter() + eng.spin_s
             while not test():
                 if time.perf_counter() > deadline:
+                    if ptr.__class__ is not int:
+                        ptr = _addressof(_c_char.from_buffer(ptr))
                     work = be.work_of(Op.ALL_REDUCE, g, req, ptr, count * dtype.itemsize,
                                       owner)
                     work.wait()  # the engine's loop: timeout and diagnostics

@@ -41,11 +41,20 @@ def test_repeated_calls_match_numpy(grp, backend, op, dtype, async_op):
     assert fast_keys(), "no call took the fast path"
 
 
-def test_numpy_arrays_and_sizes():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_numpy_arrays_and_sizes(async_op):
+    """NumPy arrays enter the fast path as themselves (MPI reads their buffer); an async
+    call still records the array's address range for the ordering of later calls."""
     for count in (0, 1, 2, 256, 16384):
-        a = values(RANK, count, torch.float32).numpy().copy()
-        mcrdl_core.all_reduce(a, backend="mpi")
-        np.testing.assert_array_equal(a, expected(count, torch.float32, "sum", range(SIZE)))
+        for dtype in (torch.float32, torch.int64, torch.float64):
+            a = values(RANK, count, dtype).numpy().copy()
+            work = mcrdl_core.all_reduce(a, backend="mpi", async_op=async_op)
+            if async_op:
+                if count:  # the span is the array's memory
+                    lo, hi, _ = work.spans[0]
+                    assert (lo, hi) == (a.ctypes.data, a.ctypes.data + a.nbytes)
+                work.wait()
+            np.testing.assert_array_equal(a, expected(count, dtype, "sum", range(SIZE)))
 
 
 def test_half_and_avg_take_the_general_path_and_stay_right():
