@@ -77,6 +77,7 @@ def _pair_time(pairs, nbytes, reps=3, stat=np.median):
         reqs += [COMM.Irecv(out, s, 7) for s, d in pairs if d == RANK]
         MPI.Request.Waitall(reqs)
         ts[i] = time.perf_counter() - t0
+        quiet_barrier()  # ranks in no pair sleep instead of spinning on the shared cores
     worst = np.empty_like(ts)
     COMM.Allreduce(ts, worst, op=MPI.MAX)
     return float(stat(worst))
@@ -84,7 +85,8 @@ def _pair_time(pairs, nbytes, reps=3, stat=np.median):
 
 def calibrate(nhosts: int, k: int, nbytes: int) -> tuple[LinkModel, dict]:
     """One send between hosts; two concurrent sends out of one host; two disjoint pairs;
-    one send inside a host; an 8-byte send for the latency."""
+    every host sending to the next at once (a ring: the aggregate of all links); one
+    send inside a host; an 8-byte send for the latency."""
     res = {}
     if nhosts < 2:
         return LinkModel(), {"note": "one host: no link to calibrate"}
@@ -99,11 +101,16 @@ def calibrate(nhosts: int, k: int, nbytes: int) -> tuple[LinkModel, dict]:
     if nhosts >= 4:
         t3 = _pair_time([(h(0), h(1)), (h(2), h(3))], nbytes)
         res["two_disjoint_pairs_Bps_each"] = nbytes / t3
+    agg = 0.0
+    if nhosts >= 3:  # every host sends to the next at once: what all links carry together
+        t4 = _pair_time([(h(i), h((i + 1) % nhosts)) for i in range(nhosts)], nbytes)
+        res["ring_Bps_each"] = nbytes / t4
+        agg = res["ring_Bps_total"] = nhosts * nbytes / t4
     intra = 4e9
     if k > 1:
         ti = _pair_time([(h(0), h(0, 1))], nbytes)
         intra = res["intra_host_Bps"] = nbytes / ti
-    return LinkModel(res["one_send_Bps"], res["latency_s"], intra), res
+    return LinkModel(res["one_send_Bps"], res["latency_s"], intra, agg), res
 
 
 # --- cases ---------------------------------------------------------------------------------
@@ -297,7 +304,8 @@ def report(rows, todo, skipped, calib, link, planning, nhosts, k, args):
     print(f"# resharding: {SIZE} ranks, {nhosts} hosts x {k} ranks, backend {args.backend}")
     print("link calibration:", json.dumps(calib))
     print(f"link model: {link.bandwidth / 1e6:.1f} MB/s, latency {link.latency * 1e6:.1f} us, "
-          f"intra-host {link.intra_bandwidth / 1e9:.2f} GB/s")
+          f"intra-host {link.intra_bandwidth / 1e9:.2f} GB/s, all links together "
+          f"{link.aggregate_bandwidth / 1e6:.0f} MB/s")
     hdr = (f"{'case':44} {'MiB':>6} {'variant':22} {'median ms':>10} {'p90 ms':>9} "
            f"{'pred ms':>9} {'LB ms':>8} {'link MiB':>9}")
     print(hdr)

@@ -153,6 +153,23 @@ def test_overlapping_meshes_copy_in_place_and_balance_by_host():
     assert lpt.lower_bound_s == pytest.approx(first.lower_bound_s / 2)
 
 
+def test_prediction_counts_the_aggregate_limit_and_chain_fill():
+    """1 rank -> 4 hosts, 64 MiB: the chain's link bound is one copy over the link; the
+    fill adds 3 segments; an aggregate limit below 4 links' worth of bytes dominates."""
+    from mcrdl_core.reshard import LinkModel
+
+    a, b = Layout(Mesh([0], ("r",)), []), Layout(Mesh([1, 2, 3, 4], ("r",)), [])
+    n = 64 << 20
+    free = make_plan((n,), "uint8", a, b, link=LinkModel(1e8, 0.0, 1e9))
+    assert free.lower_bound_s == pytest.approx(n / 1e8)
+    assert free.predicted_s == pytest.approx((n + 3 * (1 << 20)) / 1e8)
+    tight = make_plan((n,), "uint8", a, b, link=LinkModel(1e8, 0.0, 1e9, 2e8))
+    assert tight.predicted_s == pytest.approx(4 * n / 2e8 + 3 * (1 << 20) / 1e8)
+    assert Plan.from_json(tight.to_json()).link == tight.link
+    with pytest.raises(InvalidArgumentError, match="aggregate"):
+        LinkModel(1e8, 0.0, 1e9, -1.0)
+
+
 def test_plan_json_is_readable():
     a = Layout(Mesh([0], ("r",)), [])
     b = Layout(Mesh([1, 2, 3], ("r",)), [])

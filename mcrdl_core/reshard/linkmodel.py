@@ -2,9 +2,11 @@
 
 Every host has one full-duplex link to a non-blocking switch: ``bandwidth`` bytes/s
 each way, ``latency`` seconds per message; ranks of one host move data between them at
-``intra_bandwidth`` bytes/s. ``bench/resharding.py`` calibrates the three numbers (one
-64 MiB send; two concurrent sends from one host, which share its link; two disjoint
-pairs, which do not) and can save them as JSON for ``LinkModel.load``.
+``intra_bandwidth`` bytes/s; all links together carry at most ``aggregate_bandwidth``
+(0: no limit). ``bench/resharding.py`` calibrates them (one 64 MiB send; two concurrent
+sends from one host, which share its link; two disjoint pairs, which do not; every
+host sending to the next at once, for the aggregate; one send inside a host) and saves
+them as JSON for ``LinkModel.load``.
 
 Bytes on the links, per method, for one transfer of ``n`` bytes from a sender on host
 ``s`` to receivers on ``m`` other hosts (and possibly on ``s``):
@@ -35,11 +37,15 @@ def chain_segment(n: int) -> int:
 
 @dataclass(frozen=True)
 class LinkModel:
-    """``bandwidth`` and ``intra_bandwidth`` in bytes/s, ``latency`` in seconds."""
+    """``bandwidth``, ``intra_bandwidth`` and ``aggregate_bandwidth`` in bytes/s,
+    ``latency`` in seconds. ``aggregate_bandwidth``: what all links together carry at
+    most (a switch's backplane; on the emulated cluster, the one machine's CPUs); 0 means
+    no such limit (a non-blocking switch)."""
 
     bandwidth: float = 125e6  # 1 Gbit/s
     latency: float = 100e-6
     intra_bandwidth: float = 4e9
+    aggregate_bandwidth: float = 0.0
 
     def __post_init__(self):
         for name in ("bandwidth", "intra_bandwidth"):
@@ -48,12 +54,16 @@ class LinkModel:
                                            f"{getattr(self, name)!r}")
         if not self.latency >= 0:
             raise InvalidArgumentError(f"LinkModel: latency must be >= 0 s, got {self.latency!r}")
+        if not self.aggregate_bandwidth >= 0:
+            raise InvalidArgumentError("LinkModel: aggregate_bandwidth must be >= 0 bytes/s "
+                                       f"(0: no limit), got {self.aggregate_bandwidth!r}")
 
     @classmethod
     def load(cls, path: str) -> "LinkModel":
         with open(path) as f:
             d = json.load(f)
-        return cls(**{k: float(d[k]) for k in ("bandwidth", "latency", "intra_bandwidth")})
+        keys = ("bandwidth", "latency", "intra_bandwidth", "aggregate_bandwidth")
+        return cls(**{k: float(d[k]) for k in keys if k in d})
 
     @classmethod
     def from_env(cls) -> "LinkModel":

@@ -17,7 +17,8 @@
 4. Prediction, for the executor's default (``overlap=True``: every rank posts its
    sends and final receives of all rounds at once): the local copies (at the intra-host
    bandwidth), then the busiest host's link (the larger of its bytes in and out over the
-   bandwidth; or, if longer, one rank's transfers inside a host one after the other),
+   bandwidth; or, if longer, all links' bytes at the aggregate bandwidth, or one rank's
+   transfers inside a host one after the other),
    plus the most any single transfer adds to its bytes on the link (the latencies of its
    messages and the chain's pipeline fill: one segment per hop after the first). For
    ``overlap=False`` (each transfer waited for before the next) ``predicted_waited_s``:
@@ -317,10 +318,13 @@ def _make_plan(global_shape, dtype, src, dst, method, balance, order, hosts, lin
     np.maximum.at(round_time, rnd, tt)
     busiest = int(max(out_b.max(initial=0), in_b.max(initial=0)))
     # overlapped execution (the executor's default): local copies, then the busiest link
-    # (or the longest run of transfers inside a host), plus the latencies and chain fill
-    # of the transfer that adds the most to its bytes
+    # (or all links' bytes at the aggregate rate, or the longest run of transfers inside
+    # a host), plus the latencies and chain fill of the transfer that adds the most
+    total = int(out_b.sum())
+    agg = total / link.aggregate_bandwidth if link.aggregate_bandwidth else 0.0
     predicted = (max(local_b.values(), default=0) / link.intra_bandwidth
-                 + max(busiest / link.bandwidth, max(intra.values(), default=0.0)) + extra)
+                 + max(busiest / link.bandwidth, agg, max(intra.values(), default=0.0))
+                 + extra)
     used = np.flatnonzero((out_b > 0) | (in_b > 0)).tolist()
     ob, ib = out_b.tolist(), in_b.tolist()
     host_bytes = {id_label[h]: (ob[h], ib[h]) for h in used}
