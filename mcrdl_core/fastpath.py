@@ -63,6 +63,7 @@ from ctypes import c_char as _c_char
 
 from .dtypes import _BY_NP
 from .ops import Op, ReduceOp
+from .progress import spin as _spin
 
 #: returned when the fast path does not apply: the caller takes the general path
 MISS = object()
@@ -165,18 +166,11 @@ def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op:
         work.engine = eng
         eng.inflight.append(work)
         return work
-    test = req.Test
     with eng.lock:
-        if not test():
-            deadline = time.perf_counter() + eng.spin_s
-            while not test():
-                if time.perf_counter() > deadline:
-                    if ptr.__class__ is not int:
-                        ptr = _addressof(_c_char.from_buffer(ptr))
-                    work = be.work_of(Op.ALL_REDUCE, g, req, ptr, count * dtype.itemsize,
-                                      owner)
-                    work.wait()  # the engine's loop: timeout and diagnostics
-                    break
+        if not _spin(req.Test, eng.spin_s):  # then the engine's loop: timeout, diagnostics
+            if ptr.__class__ is not int:
+                ptr = _addressof(_c_char.from_buffer(ptr))
+            be.work_of(Op.ALL_REDUCE, g, req, ptr, count * dtype.itemsize, owner).wait()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
                                   time.perf_counter() - t0))

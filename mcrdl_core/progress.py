@@ -169,12 +169,9 @@ class ProgressEngine:
         for at most the spin time; True if it completed. Polling it alone is the whole
         progress loop here, since no other library has work in flight; afterwards the
         loop below takes over, with its timeout."""
-        poll = w._poll
-        deadline = time.perf_counter() + self.spin_s
         try:
-            while not poll():
-                if time.perf_counter() > deadline:
-                    return False
+            if not spin(w._poll, self.spin_s):
+                return False
         except BaseException as exc:  # a library error: the work fails with it
             w._complete(exc)
             return True
@@ -192,6 +189,18 @@ class ProgressEngine:
             "Most likely a rank of the group did not make the matching call, or made it "
             "with another size, root or backend: run with MCRDL_DEBUG=1 to check the "
             "arguments across ranks, or raise MCRDL_TIMEOUT if the op is just slow.")
+
+
+def spin(poll, seconds: float) -> bool:
+    """Call ``poll()`` (a non-blocking test) until it returns True, for at most
+    ``seconds``; True if it did. The loop of every wait that polls one request alone."""
+    if poll():
+        return True
+    deadline = time.perf_counter() + seconds
+    while not poll():
+        if time.perf_counter() > deadline:
+            return False
+    return True
 
 
 def _drop(works: list, work) -> None:

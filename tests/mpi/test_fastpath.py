@@ -135,3 +135,25 @@ def test_facts_entries_need_a_memoized_key_and_stay_right():
     assert fastpath.host_all_reduce(rt, b.ctypes.data, 3, mcrdl_core.dtypes.float64, b,
                                     dist.ReduceOp.MAX, g, False, "mpi") is None
     np.testing.assert_array_equal(b, expected(3, torch.float64, "max", range(SIZE), 7))
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_a_late_peer_hands_the_wait_to_the_engine(monkeypatch, async_op, kind):
+    """A peer later than the spin: the fast path's request is handed to the engine's
+    wait (a Work, its timeout), and the result is still right. Spin 0 and a peer 20 ms
+    late make every rank but the late one take that branch."""
+    import time
+
+    monkeypatch.setattr(mcrdl_core.get_runtime().engine, "spin_s", 0.0)
+    for salt in range(3):
+        t = values(RANK, 6, torch.float64, salt)
+        x = t if kind == "torch" else t.numpy()
+        if RANK == SIZE - 1:
+            time.sleep(0.02)
+        call = dist.all_reduce if kind == "torch" else mcrdl_core.all_reduce
+        work = call(x, backend="mpi", async_op=async_op)
+        if async_op:
+            work.wait()
+        np.testing.assert_array_equal(t.numpy(), expected(6, torch.float64, "sum", range(SIZE), salt))
+    assert not mcrdl_core.get_runtime().engine.inflight
