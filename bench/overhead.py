@@ -15,7 +15,9 @@ what MCR-DL issues); ``mcrdl_core.all_reduce`` on a NumPy array; ``mcrdl_torch.a
 with ``backend="mpi"``, with ``backend="auto"`` (selection through an in-memory tuning
 table that says mpi, so the table lookup is part of the figure), ``async_op=True``
 then ``wait()``, and auto with the comm logger on (switched on and off around each
-call: two attribute stores); ``mcrdl_jax.all_reduce`` eager on a JAX array. jit: one
+call: two attribute stores); ``mcrdl_jax.all_reduce`` eager on a JAX array, next to
+the cost of the smallest eager JAX op with a result (``x + 1``, no communication: what
+the JAX runtime alone costs per call on this machine). jit: one
 jitted program running K=100 all-reduces in a ``lax.fori_loop`` (each scaled by 1/n
 to stay finite), through ``mcrdl_jax.all_reduce`` and through ``mpi4jax.allreduce``;
 their figures are per all-reduce (a program's time / K), and the jit rows compare
@@ -89,6 +91,7 @@ def paths_for(nbytes: int, n: int) -> dict:
             lambda: dist.all_reduce(t, backend="auto", async_op=True).wait(), 1),
         "mcrdl_torch auto, logger on": (logged, 1),
         "mcrdl_jax eager": (lambda: mcrdl_jax.all_reduce(xj).block_until_ready(), 1),
+        "jax x + 1 (no communication)": (lambda: (xj + 1).block_until_ready(), 1),
         "jit: mpi4jax, per op": (lambda: prog_mpi4jax(xj).block_until_ready(), K),
         "jit: mcrdl_jax, per op": (lambda: prog_mcrdl(xj).block_until_ready(), K),
     }

@@ -24,20 +24,47 @@ these are CPU time of the calling thread, ``time.thread_time``, which preemption
 not inflate, the 10th percentile of batches of 100 calls; cProfile ranked the same
 stages).
 
-After (same measure, one process; raw blocking ``Allreduce`` 0.6 µs, ``Iallreduce`` +
-``Test`` 0.8 µs): ``mcrdl_torch.all_reduce`` explicit or auto 4.2-4.3 µs (tensor ->
-Buffer 1.2, output checks 0.25, this module's lookup, issue and spin 2.6), async +
-``wait()`` 6.3-6.5 µs, with the comm logger on 4.9 µs, ``mcrdl_core.all_reduce`` on a
-NumPy array 4.5 µs (the array's address alone costs 0.4 µs through the buffer
-protocol, 1.5 µs through ``__array_interface__``). On 2 ranks, wall clock, see the
-README's table (``bench/overhead.py``).
+After a first version of this module (same measure, one process): ``mcrdl_torch``
+4.2-4.3 µs, async + ``wait()`` 6.3-6.5, ``mcrdl_core`` on NumPy 4.5.
 
-What the fast path does instead, once per (group, dtype, device, backend, reduce op,
-and the size when a tuning table decides): the first call runs the full checks and
+Now (``timeit`` with ``time.thread_time``, best of 7 x 100 000 calls, quiet machine;
+raw blocking ``Allreduce`` 0.58-0.61 µs):
+
+=====================================================  ======
+path                                                   µs
+=====================================================  ======
+the issuer alone: ``Iallreduce`` + ``Test``            0.9
+``host_all_reduce`` (memo lookup, checks, lock, spin)  2.0
+``mcrdl_torch.all_reduce`` explicit or auto            2.8-3.0
+  of which the tensor's facts (``tensors.py``)         0.75
+async + ``wait()``                                     4.1-4.2
+comm logger on                                         3.4
+``mcrdl_core.all_reduce`` on a NumPy array             2.6-2.7
+``mcrdl_jax.all_reduce`` eager, + block_until_ready    21-27
+  (JAX's own ``x + 1`` + block_until_ready: 18-21)
+=====================================================  ======
+
+Where the rest went: no Buffer for torch tensors or NumPy arrays (the *facts entry*
+below: a tensor's address, count and dtype cost 0.75 µs where a Buffer and its checks
+cost 1.5; a NumPy array is handed to MPI as itself, no ctypes address);
+``Op``/``ReduceOp`` hash in C (Enum's own ``__hash__`` is Python: 0.4 µs a memo
+lookup); ``DType.itemsize`` a plain attribute; an async call's Work made without its
+constructor, its common attributes on the class, and waited by polling its request
+alone (``progress.spin``). In eager JAX the cost between MPI and JAX's array creation
+grows with whatever code runs in between (measured: one more ``MPI.buffer`` object
+adds 2-3 µs to JAX's ``batched_device_put`` that follows), so less code there counts
+twice. On 2 ranks, wall clock, see the README's table (``bench/overhead.py``).
+
+What the fast path does instead, once per (group, dtype, backend, reduce op, and the
+size when a tuning table decides), for host memory: the first call runs the full checks and
 selection (same errors, raised before anything is sent) and asks the chosen backend
 for an *issuer* (``Backend.fast_all_reduce``: a closure over the communicator, MPI
 datatype and MPI op). Later calls with the same key pay one dict lookup, the issuer
-(one ``Iallreduce``), and the wait below.
+(one ``Iallreduce``), and the wait below. Three entries share that memo: the Buffer
+entry (``all_reduce``, any caller of ``mcrdl_core.all_reduce``, the only one that fills
+it), the NumPy entry and the facts entry (``host_all_reduce``: frontends that have
+checked contiguity and writability their own, cheaper way), which miss until the
+general path has filled the key.
 
 It is taken only when nothing can need the general path: no ``MCRDL_DEBUG`` (the
 cross-rank checks run on the general path), no compression, a host buffer, nothing
