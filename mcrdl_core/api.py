@@ -27,14 +27,30 @@ def _prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
     return rt, g, be, reduce_op
 
 
-def _compression(compression, op, buf: Buffer, reduce_op=None):
+def _compression(compression, op, rt, g, backend, buf: Buffer, reduce_op=None):
     """The compression allowed for this call (``compression=``, then MCRDL_COMPRESSION),
-    checked against its dtype and reduce op; None (the usual case) costs one env lookup."""
+    checked against its dtype and reduce op; None (the usual case) costs one env lookup,
+    and None too where an ``auto:`` spec keeps the backend's own collective."""
     if compression is None and not _fast.compression_env():
         return None
-    from .compress import resolve
+    resolve, keeps_plain, _ = _compress()
+    cz = resolve(compression, op, buf.dtype, reduce_op)
+    return None if keeps_plain(cz, rt, g, op, buf, backend) else cz
 
-    return resolve(compression, op, buf.dtype, reduce_op)
+
+_COMPRESS: list = []
+
+
+def _compress():
+    """(resolve, keeps_plain, entry) of the compress package, imported at the first call
+    that allows compression and kept here: an import statement in a function runs
+    importlib's Python code on every call (about 1 µs each)."""
+    if not _COMPRESS:
+        from .compress import entry, resolve
+        from .compress.auto import keeps_plain
+
+        _COMPRESS.append((resolve, keeps_plain, entry))
+    return _COMPRESS[0]
 
 
 def _xp_copy(dst: Buffer, src_arr) -> None:
@@ -139,10 +155,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
         if done is not _fast.MISS:
             return done
     rt, g, be, op = _prepare(Op.ALL_REDUCE, group, buf, backend, op)
-    cz = _compression(compression, Op.ALL_REDUCE, buf, op)
+    cz = _compression(compression, Op.ALL_REDUCE, rt, g, backend, buf, op)
     if cz is not None:
-        from .compress import entry
-        return entry.all_reduce(rt, g, buf, op, cz, backend, async_op)
+        return _compress()[2].all_reduce(rt, g, buf, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
@@ -156,10 +171,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     _v.same_kind([out, inp], "all_gather_into_tensor")
     rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
     _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
-    cz = _compression(compression, Op.ALL_GATHER, inp)
+    cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
     if cz is not None:
-        from .compress import entry
-        return entry.all_gather(rt, g, out, inp, cz, backend, async_op)
+        return _compress()[2].all_gather(rt, g, out, inp, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
@@ -179,10 +193,9 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
         _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
     # one contiguous result on the outputs' producer stream, copied into the list after
     tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
-    cz = _compression(compression, Op.ALL_GATHER, inp)
+    cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
     if cz is not None:
-        from .compress import entry
-        return entry.all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
+        return _compress()[2].all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
                                 then=lambda: _scatter_into(tmp, outs))
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
@@ -199,10 +212,9 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     _v.same_kind([out, inp], "reduce_scatter_tensor")
     rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
     _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
-    cz = _compression(compression, Op.REDUCE_SCATTER, out, op)
+    cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
     if cz is not None:
-        from .compress import entry
-        return entry.reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
+        return _compress()[2].reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
@@ -220,12 +232,11 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
                                       f"group of {g.size}; give one per rank")
     for i, b in enumerate(ins):
         _v.numel(b, out.numel, f"input_list[{i}]", "each must match the output tensor")
-    cz = _compression(compression, Op.REDUCE_SCATTER, out, op)
+    cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
     if cz is not None:
-        from .compress import entry
         rt.order(reads=ins, writes=(out,), keep=False)  # before the inputs are read
         tmp = _concat(ins, g.size * out.numel)
-        return entry.reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
+        return _compress()[2].reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)

@@ -95,12 +95,25 @@ from .progress import spin as _spin
 #: returned when the fast path does not apply: the caller takes the general path
 MISS = object()
 
-# "is MCRDL_COMPRESSION set": a lookup in os.environ's own bytes-keyed dict costs 0.03 µs,
-# ``name in os.environ`` 1.1 µs (it encodes the name every time); both see putenv via
-# os.environ. Where that dict is missing (another platform), os.environ itself.
+# Environment variables read on every call: a lookup in os.environ's own bytes-keyed
+# dict costs 0.03 µs, ``os.environ.get(name)`` about 1 µs (it encodes the name every
+# time); both see changes made through os.environ. Where that dict is missing (another
+# platform), os.environ itself.
 _ENV = getattr(os.environ, "_data", os.environ)
-_COMPRESSION = (os.environ.encodekey("MCRDL_COMPRESSION") if _ENV is not os.environ
-                else "MCRDL_COMPRESSION")
+
+
+def env_key(name: str):
+    """``name`` as ``env_value`` looks it up (encoded once, here)."""
+    return os.environ.encodekey(name) if _ENV is not os.environ else name
+
+
+def env_value(key):
+    """The raw value of the variable ``env_key`` made ``key`` for, or None if unset
+    (bytes on POSIX: for comparing and memo keys, not for parsing)."""
+    return _ENV.get(key)
+
+
+_COMPRESSION = env_key("MCRDL_COMPRESSION")
 
 
 def compression_env() -> bool:

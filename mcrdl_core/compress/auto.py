@@ -199,9 +199,9 @@ def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None
     if nbytes is None:  # all-reduce: the buffer is P blocks
         nbytes = count * dtype.itemsize * (group.size if op is Op.ALL_REDUCE else 1)
     table = getattr(rt, "table", None)
-    override = getattr(rt, "override", None) or {}
+    override = getattr(rt, "override", None)
     key = (group.id, backend, auto.codecs, op, count, dtype, nbytes, device, table,
-           frozenset(override.items()))
+           frozenset(override.items()) if override else None)
     hit = _DECIDED.get(key)
     if hit is None:
         if len(_DECIDED) > 4096:
@@ -218,6 +218,19 @@ def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None
 
 
 _DECIDED: dict = {}
+
+
+def keeps_plain(cz, rt, group, op: Op, buf, backend) -> bool:
+    """True when ``cz`` is an auto spec that keeps this call on the backend's own
+    collective (the usual answer on fast links): the api then takes its ordinary path
+    at once instead of entering the compressed entry to learn the same. ``buf``: the
+    per-rank block (all-gather's input, reduce-scatter's output) or all-reduce's buffer.
+    The decision is ``choose``'s, memoized, so the entry's own call agrees."""
+    if not isinstance(cz, Auto):
+        return False
+    count = -(-buf.numel // group.size) if op is Op.ALL_REDUCE else buf.numel
+    return choose(cz, rt, group, op, count, buf.dtype, backend, buf.nbytes,
+                  buf.device.kind)[0] is None
 #: from_table's answer when the table has nothing to say about this call
 MISS = object()
 

@@ -32,6 +32,7 @@ import numpy as np
 from .. import dtypes as _dt
 from ..errors import DtypeError, InvalidArgumentError, UnsupportedError
 from ..ops import Op, ReduceOp
+from ..fastpath import env_key, env_value
 from . import codecs as _c
 
 ALGORITHMS = ("ring", "p2p", "a2a")
@@ -143,8 +144,7 @@ def resolve(compression, op: Op, dtype: _dt.DType, reduce_op: ReduceOp | None = 
     against the call's dtype and reduce op; None: no compression. Raises before anything
     is sent. Memoized per (spec, op, dtype, reduce op) when the spec is a string."""
     if compression is None or isinstance(compression, str):
-        key = (compression, os.environ.get("MCRDL_COMPRESSION"),
-               os.environ.get("MCRDL_COMPRESSION_CHUNKS"), op, dtype, reduce_op)
+        key = (compression, env_value(_SPEC), env_value(_CHUNKS), op, dtype, reduce_op)
         hit = _RESOLVED.get(key)
         if hit is None:
             if len(_RESOLVED) > 1024:
@@ -155,6 +155,7 @@ def resolve(compression, op: Op, dtype: _dt.DType, reduce_op: ReduceOp | None = 
 
 
 _RESOLVED: dict = {}
+_SPEC, _CHUNKS = env_key("MCRDL_COMPRESSION"), env_key("MCRDL_COMPRESSION_CHUNKS")
 
 
 def _resolve(compression, op: Op, dtype: _dt.DType, reduce_op):
