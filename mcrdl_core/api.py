@@ -9,6 +9,7 @@ import contextlib
 
 from numpy import ndarray as _ndarray
 
+from . import alloc
 from . import debug as _debug
 from . import fastpath as _fast
 from . import validate as _v
@@ -69,7 +70,7 @@ def _copies_into(targets, sources=(), after_current=False):
 
 
 def _concat(bufs, total: int) -> Buffer:
-    tmp = Buffer.empty((total,), bufs[0].dtype, bufs[0].device, like=bufs[0])
+    tmp = alloc.empty((total,), bufs[0].dtype, bufs[0].device, like=bufs[0])
     with _copies_into([tmp], bufs):
         t = tmp.array()
         off = 0
@@ -192,7 +193,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     for i, o in enumerate(outs):
         _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
     # one contiguous result on the outputs' producer stream, copied into the list after
-    tmp = Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
+    tmp = alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
     cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
     if cz is not None:
         return _compress()[2].all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
@@ -284,7 +285,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         _debug.check(rt, g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
     spans = rt.order(reads=ins, writes=outs, keep=async_op)
     tmp_in = _concat(ins, sum(in_counts))
-    tmp_out = Buffer.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
+    tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
     work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
     work.add_finalizer(lambda: _scatter_into(tmp_out, outs))
     return rt.finish(work, spans, async_op, tmp_in.nbytes)
@@ -308,7 +309,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
     if rt.debug:
         _debug.check(rt, g, Op.GATHER, be, inp, root=root, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
-    tmp = (Buffer.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
+    tmp = (alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
            if outs else None)
     work = be.gather(g, tmp, inp, root)
     if outs:

@@ -10,7 +10,7 @@ are known to be ordered, when the Buffer was made through DLPack with a consumer
 see ``mcrdl_core.cuda.producer_stream`` (torch's current stream for torch tensors,
 CuPy's current stream for CuPy arrays, the legacy default stream otherwise).
 
-``origin``: for a temporary a call made (``Buffer.empty(..., like=...)``: the
+``origin``: for a temporary a call made (``alloc.empty(..., like=...)``: the
 concatenated list of a list-form collective, a staging copy of a non-contiguous input),
 the user's buffer it stands in for. Its framework tells whose *current* stream a
 blocking call orders the caller on (torch's for torch tensors).
@@ -118,36 +118,6 @@ class Buffer:
         buf = cls(ptr, shape, dtype, Device(*device), strides, readonly, owner)
         if buf.device.kind == "cuda" and stream is not None and stream != -1:
             buf.stream = 0 if stream == 1 else stream  # 1 is DLPack's name of the legacy stream
-        return buf
-
-    @classmethod
-    def empty(cls, shape, dtype, device: Device = CPU, like: "Buffer | None" = None) -> "Buffer":
-        """Fresh contiguous memory (NumPy on the host, CuPy on a GPU).
-
-        ``like``: the user's buffer this temporary stands in for. On a GPU the memory is
-        then allocated on ``like``'s producer stream (CuPy's pool hands it out again only
-        to work ordered after that stream), the Buffer is stamped with that stream (its
-        writes are ordered there: whoever reads it waits on it) and records ``like`` as
-        its ``origin``."""
-        dt = _dt.lookup(dtype)
-        if device.kind == "cpu":
-            return cls.from_numpy(np.empty(shape, dtype=dt.np_dtype))
-        import cupy  # lazy: only for CUDA buffers
-
-        np_dt = np.uint16 if dt is _dt.bfloat16 else dt.np_dtype
-        with cupy.cuda.Device(device.index):
-            if like is None or like.device != device:
-                arr, stream = cupy.empty(shape, dtype=np_dt), None
-            else:
-                from . import cuda
-
-                stream = cuda.producer_stream(like)
-                with cuda.stream(stream, device.index):
-                    arr = cupy.empty(shape, dtype=np_dt)
-        buf = cls(arr.data.ptr, arr.shape, dt, device, None, False, arr)
-        if stream is not None:
-            buf.stream = stream
-            buf.origin = like.origin if like.origin is not None else like
         return buf
 
     # --- properties ---------------------------------------------------------------------

@@ -103,7 +103,7 @@ def _framework(obj) -> str:
 def current_stream(buf: Buffer) -> int:
     """The caller's current stream on ``buf``'s device, in the framework that owns it:
     torch's for torch tensors, CuPy's for everything else. A temporary made for a call
-    (``Buffer.empty(..., like=user_buffer)``) answers for the user's buffer."""
+    (``alloc.empty(..., like=user_buffer)``) answers for the user's buffer."""
     if buf.origin is not None:
         buf = buf.origin
     if _framework(root_owner(buf)) == "torch":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import dtypes as _dt
+from . import alloc
 from .buffer import Buffer, as_buffer
 from .errors import DtypeError, InvalidArgumentError, UnsupportedError
 from .ops import BITWISE, ReduceOp
@@ -41,7 +42,7 @@ def contiguous_cuda_copy(buf: Buffer) -> Buffer:
     the producer's pending writes, never on whatever stream CuPy happens to have
     current), in memory allocated on that stream; the copy is stamped with it, so
     whoever reads the copy waits there."""
-    tmp = Buffer.empty(buf.shape, buf.dtype, buf.device, like=buf)
+    tmp = alloc.empty(buf.shape, buf.dtype, buf.device, like=buf)
     from . import cuda
 
     with cuda.copies_into([tmp], [buf]):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from mcrdl_core import alloc
 from mcrdl_core import dtypes as dt
 from mcrdl_core.buffer import Buffer, as_buffer
 from mcrdl_core.errors import DtypeError, TableError
@@ -61,7 +62,7 @@ def test_buffer_numpy_bfloat16_and_readonly():
 
 
 def test_buffer_flat_views_and_empty():
-    b = Buffer.empty((6,), "int32")
+    b = alloc.empty((6,), "int32")
     b.host()[:] = np.arange(6)
     v = b.flat(2, 3)
     np.testing.assert_array_equal(v.host(), [2, 3, 4])

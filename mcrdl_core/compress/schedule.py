@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import alloc
 from .. import dtypes as _dt
 from ..buffer import Buffer
 from ..ops import Op
@@ -71,7 +72,7 @@ class Channel:
 
     def staging(self, nbytes: int) -> Buffer:
         """Fresh bytes on the call's device (encoded data lives here)."""
-        return Buffer.empty((nbytes,), _dt.uint8, self.device)
+        return alloc.empty((nbytes,), _dt.uint8, self.device)
 
     def backend(self, op: Op, buf: Buffer):
         be = self._chosen.get(op)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import api as _api
 from .. import dtypes as _dt
+from .. import alloc
 from ..buffer import Buffer, as_buffer
 from ..errors import InvalidArgumentError, MismatchError
 from ..runtime import get_runtime
@@ -185,8 +186,8 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
             out_arr = ob.array()
         else:
             device = buf.device if buf is not None else None
-            out_arr = (Buffer.empty(want, dt, device) if device is not None and
-                       device.kind == "cuda" else Buffer.empty(want, dt)).array()
+            out_arr = (alloc.empty(want, dt, device) if device is not None and
+                       device.kind == "cuda" else alloc.empty(want, dt)).array()
     _world_ready(rt, backend)
     if check:
         key = ("verified", id(rt))
