@@ -39,7 +39,6 @@ from mcrdl_core import mpi_setup as _setup
 from mcrdl_core.backend import Backend
 from mcrdl_core.buffer import Buffer
 from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.progress import spin as _spin
 from mcrdl_core.work import Work
 
 _gpu = _cuda.cuda_dispatch
@@ -89,24 +88,6 @@ class _FastWork(MPIWork):
 
     def _poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
-
-    def wait(self, timeout=None) -> bool:
-        """While this is the only work in flight (the usual async call), its request is
-        polled alone for up to the spin time, as the blocking fast path does; then (or
-        otherwise) ``Work.wait``: the engine's loop with its timeout and diagnostics."""
-        eng = self.engine
-        if (not self._done and timeout is None and eng is not None and not eng.pending
-                and len(eng.inflight) == 1 and eng.inflight[0] is self):
-            with eng.lock:
-                if not self._done:
-                    try:
-                        if _spin(self.req.Test, eng.spin_s):
-                            self._complete()
-                            if self._error is None:  # (a finalizer's error: Work.wait)
-                                return True
-                    except BaseException as exc:  # a library error: the work fails with it
-                        self._complete(exc)
-        return Work.wait(self, timeout)
 
 
 def _spec(buf: Buffer, count: int | None = None):
