@@ -159,11 +159,12 @@ def ndarray_all_reduce(rt, arr, op, group, async_op: bool, backend):
     return host_all_reduce(rt, arr, arr.size, dt, arr, op, group, async_op, backend)
 
 
-def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op: bool,
+def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool,
                     backend, buf=None):
     """Issue and (blocking) complete an in-place all-reduce of ``count`` elements of
-    ``dtype`` at host address ``ptr``; return None (blocking) or the Work (async), or
-    MISS if the general path must run.
+    ``dtype`` in host memory ``mem`` (an address, or an object MPI can read as a buffer:
+    a NumPy array); return None (blocking) or the Work (async), or MISS if the general
+    path must run.
 
     The facts entry, for frontends that have checked, as cheaply as their framework
     allows, that the memory is host memory, contiguous and writable (mcrdl_torch reads
@@ -194,12 +195,10 @@ def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op:
     logging_on = rt.logger.enabled
     if logging_on:
         t0 = time.perf_counter()
-    req = issue(ptr, count)
+    req = issue(mem, count)
     if async_op:
-        if ptr.__class__ is not int:
-            ptr = _addressof(_c_char.from_buffer(ptr))
         nbytes = count * dtype.itemsize
-        work = be.work_of(Op.ALL_REDUCE, g, req, ptr, nbytes, owner)
+        work = be.work_of(Op.ALL_REDUCE, g, req, _address(mem), nbytes, owner)
         if logging_on:
             work.add_finalizer(lambda: rt.logger.record("all_reduce", nbytes, be.name,
                                                         g.size, time.perf_counter() - t0))
@@ -208,10 +207,14 @@ def host_all_reduce(rt, ptr: int, count: int, dtype, owner, op, group, async_op:
         return work
     with eng.lock:
         if not _spin(req.Test, eng.spin_s):  # then the engine's loop: timeout, diagnostics
-            if ptr.__class__ is not int:
-                ptr = _addressof(_c_char.from_buffer(ptr))
-            be.work_of(Op.ALL_REDUCE, g, req, ptr, count * dtype.itemsize, owner).wait()
+            be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
+                       owner).wait()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
                                   time.perf_counter() - t0))
     return None
+
+
+def _address(mem) -> int:
+    """The address for a Work's span: ``mem`` itself, or a NumPy array's data."""
+    return mem if mem.__class__ is int else _addressof(_c_char.from_buffer(mem))
