@@ -104,6 +104,21 @@ def _run(args, program, timeout=240, env=None, **kw):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), rep
 
 
+def _running(name, command):
+    """Ids of the processes named ``command`` inside cluster ``name``'s namespaces."""
+    found = []
+    for ns in system.netns_list():
+        if ns.startswith(name + "-"):
+            for pid in system.netns_pids(ns):
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        if f.read().strip() == command:
+                            found.append(pid)
+                except OSError:  # ended meanwhile
+                    pass
+    return found
+
+
 def _ours_gone(name):
     left = [ns for ns in system.netns_list() if ns.startswith(name + "-")]
     assert not left, left
@@ -143,7 +158,11 @@ def test_ctrl_c_ends_the_program_and_removes_the_cluster(tmp_path):
                     name = n
         time.sleep(0.1)
     assert name, "the cluster never came up"
-    time.sleep(1.0)  # mpiexec has started the sleeps
+    # Ctrl-C once the program runs on both hosts (a fixed 1 s was too short in a fresh
+    # CI clone: the signal then came while mpiexec was still starting, see issue notes)
+    while len(_running(name, "sleep")) < 2 and time.monotonic() < deadline + 60:
+        time.sleep(0.1)
+    assert len(_running(name, "sleep")) >= 2, "the program never started on both hosts"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0, err
