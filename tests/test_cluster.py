@@ -148,8 +148,12 @@ def test_hosts_names_addresses_and_teardown_of_two_clusters_side_by_side():
 @needs_netns
 def test_ctrl_c_ends_the_program_and_removes_the_cluster(tmp_path):
     before = set(existing())
+    # SIGINT as at a terminal, even where this suite runs with it ignored (a shell's
+    # background job under nohup, as CI may be): a Python started with SIGINT ignored
+    # installs no KeyboardInterrupt handler, and the Ctrl-C would never arrive
     proc = subprocess.Popen(MCRDL + ["cluster", "run", "--hosts", "2", "--", "sleep", "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     name, deadline = None, time.monotonic() + 60
     while name is None and time.monotonic() < deadline:
         for n in set(existing()) - before:
