@@ -290,8 +290,9 @@ class MPIBackend(Backend):
 
     # --- the fast path (mcrdl_core.fastpath) -------------------------------------------
     def fast_all_reduce(self, group, dtype, op):
-        """An issuer ``issue(ptr, count) -> MPI request`` of an in-place ``Iallreduce`` of
-        ``count`` elements of ``dtype`` at host address ``ptr``, bound once to the group's
+        """An issuer ``issue(mem, count) -> MPI request`` of an in-place ``Iallreduce`` of
+        ``count`` elements of ``dtype`` in host memory ``mem`` (an address, or an object
+        with the buffer protocol such as a NumPy array), bound once to the group's
         communicator, datatype and op; None where a finishing step is needed (16-bit
         floats are reduced upcast, AVG divides at the end): those take the general path."""
         if dtype.is_half or op is ReduceOp.AVG or dtype not in _TYPES:

@@ -85,10 +85,7 @@ class Work:
                     self._error = exc
         self.keep = ()  # the library is done with the buffers: let them go
         if self.engine is not None:
-            try:
-                self.engine.inflight.remove(self)  # (engine.discard, inlined)
-            except ValueError:  # another thread removed it
-                pass
+            self.engine.discard(self)
 
     def test(self) -> bool:
         """Non-blocking: True when complete (drives this work's library once)."""
