@@ -1,7 +1,8 @@
 """Debug mode (MCRDL_DEBUG=1): compare a collective's arguments across ranks first.
 
 Before each collective every member contributes a small int64 signature (op, backend,
-dtype, device, reduce op, root, per-rank element count and, for all-to-all, its split
+dtype, device, reduce op, root, per-rank element count, the compression spec of a
+compressed call (codec, block, algorithm, chunks) and, for all-to-all, its split
 counts, and, for calls traced under a JIT, the array shape). The signatures are all-gathered on a control backend (MPI when available,
 else Gloo) that does not depend on what the call chose, so every rank sees the same
 table and raises the same MismatchError naming the ranks that differ, instead of
@@ -32,7 +33,7 @@ from .ops import Op, ReduceOp
 _OPS = list(Op)
 _REDUCE = list(ReduceOp)
 _FIELDS = ("op", "backend", "dtype", "device", "reduce op", "root", "elements per rank",
-           "role")
+           "role", "compression")
 _ROLE = contextvars.ContextVar("mcrdl_debug_role", default="call")
 _ROLE_NAMES = {}  # code -> label, for messages
 
@@ -46,6 +47,22 @@ def declare_role(name: str) -> int:
 
 
 _role_code = declare_role
+_SPEC_WORDS = 4  # the spec's text travels too (32 bytes), so messages can quote it
+
+
+def _spec_code(spec: str) -> int:
+    """A code for a compressed call's spec (codec, block, algorithm, chunks), the same on
+    every rank; "none" for a call that is not compressed."""
+    return zlib.crc32(spec.encode())
+
+
+def _spec_words(spec: str) -> list:
+    raw = spec.encode()[:8 * _SPEC_WORDS].ljust(8 * _SPEC_WORDS, b"\0")
+    return np.frombuffer(raw, dtype=np.int64).tolist()
+
+
+def _spec_text(row) -> str:
+    return np.asarray(row[-_SPEC_WORDS:], np.int64).tobytes().rstrip(b"\0").decode(errors="replace")
 
 
 @contextlib.contextmanager
@@ -84,16 +101,17 @@ def _decode_shape(part):
 
 
 def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n, shape=None,
-            role_name="call"):
+            role_name="call", compression="none"):
     head = [_OPS.index(op), _backend_names().index(backend), _dt.ALL.index(dtype),
             0 if device.kind == "cpu" else 1, -1 if reduce_op is None else _REDUCE.index(reduce_op),
             -1 if root is None else root, -1 if count is None else count,
-            _role_code(role_name)]
+            _role_code(role_name), _spec_code(compression)]
     tail = [0] * (2 * n)
     if counts is not None:
         out_counts, in_counts = counts
         tail = list(out_counts) + list(in_counts)
-    return np.array(head + tail + _encode_shape(shape), dtype=np.int64)
+    return np.array(head + tail + _encode_shape(shape) + _spec_words(compression),
+                    dtype=np.int64)
 
 
 def _decode(row, field):
@@ -106,19 +124,22 @@ def _decode(row, field):
         "device": lambda: ("cpu", "cuda")[v],
         "reduce op": lambda: "-" if v < 0 else _REDUCE[v].name,
         "role": lambda: repr(_ROLE_NAMES.get(v, f"#{v}")),
+        "compression": lambda: repr(_spec_text(row)),
     }.get(field, lambda: v)()
 
 
 def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None, counts=None,
-          shape=None, role_name=None):
+          shape=None, role_name=None, compression: str = "none"):
     """``shape``: also compare the array shape (the JAX frontend passes it for traced
     calls, where a shape that differs between ranks would otherwise hang or corrupt).
-    ``role_name``: the call's role (default: the innermost ``role()`` block's label)."""
+    ``role_name``: the call's role (default: the innermost ``role()`` block's label).
+    ``compression``: a compressed call's spec as text (codec with its block, algorithm,
+    chunks), so that ranks that compress differently are reported too."""
     n = group.size
     if n == 1:
         return
     mine = _encode(op, backend.name, buf.dtype, buf.device, reduce_op, root, count, counts, n,
-                   shape, current_role() if role_name is None else role_name)
+                   shape, current_role() if role_name is None else role_name, compression)
     ctrl = rt.backend("mpi" if rt.unavailable_reason("mpi") is None else "gloo")
     inp = Buffer.from_numpy(mine)
     table = np.zeros((n, mine.size), dtype=np.int64)
@@ -130,7 +151,7 @@ def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None,
                 problems.append(f"group rank {r} (global {group.ranks[r]}) has {field} "
                                 f"{_decode(table[r], field)} where group rank 0 has "
                                 f"{_decode(table[0], field)}")
-    shapes = table[:, -(_MAX_DIMS + 1):]
+    shapes = table[:, -(_MAX_DIMS + 1 + _SPEC_WORDS):-_SPEC_WORDS]
     for r in range(1, n):
         if (shapes[r] != shapes[0]).any():
             problems.append(f"group rank {r} (global {group.ranks[r]}) has shape "

@@ -29,6 +29,15 @@ class Group:
         self.comms: dict = {}  # backend name -> that backend's communicator
         self.backend: str | None = None  # default backend of calls on this group
         self.broken: BaseException | None = None  # the fault that made it unusable
+        self.seq = 0  # compressed calls made on the group: every member counts alike
+        self.tag_slots: dict = {}  # tag slot -> the call in flight on it (mcrdl_core.tags)
+
+    def next_seq(self) -> int:
+        """The sequence number of the next call on the group that sends on tags of its
+        own (compressed collectives): the same on every member, since every member makes
+        the group's collectives in the same order."""
+        self.seq += 1
+        return self.seq - 1
 
     def mark_broken(self, error: BaseException) -> None:
         """Record the first fault; later calls on the group raise at once."""

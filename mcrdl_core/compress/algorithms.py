@@ -19,7 +19,9 @@ communicator's stream would block it (``_Posts``).
   block is kept exact.
 - ``ring_reduce_scatter``: at step s receive the encoded partial sum of block (r-s-2),
   decode, add the own contribution in full precision, re-encode and forward; the last
-  step's sum (this rank's own block) is never re-encoded. P-1 quantizations of partial
+  step's sum (this rank's own block) is never re-encoded. It is decoded into a
+  temporary and summed into the result, so the result may be a view of the input's
+  own block (in-place reduce-scatter, as NCCL, Megatron and FSDP1 call it). P-1 quantizations of partial
   sums reach each result.
 - ``a2a_reduce_scatter`` (ZeRO++ qgZ style): encode the P blocks once, one all-to-all
   of the bytes, decode and sum in full precision: one quantization per contribution.
@@ -143,17 +145,15 @@ def ring_reduce_scatter(ch, lay: Layout, x, res, tag0: int = 0):
         last = s == P - 2
         for c in range(C):
             yield ring.recv(s, c)
-            if last:
-                acc = lay.part(res, c)
-            else:
-                if tmp.shape[0] < lay.counts[c]:
-                    tmp = _empty_like(res, lay.counts[0])
-                acc = tmp[:lay.counts[c]]
+            if tmp.shape[0] < lay.counts[c]:
+                tmp = _empty_like(res, lay.counts[0])
+            acc = tmp[:lay.counts[c]]
             intact = codec.decode(lay.epart(R, c, s), acc)
-            acc += lay.part(x, c, k)
-            if last:
+            if last:  # into the result only now: it may be a view of x's own block
                 ok &= intact
+                xp_add(acc, lay.part(x, c, k), out=lay.part(res, c))
             else:
+                acc += lay.part(x, c, k)
                 codec.encode(acc, lay.epart(S, c, s + 1))
                 ring.send(s + 1, c, lay.epart(sbuf, c, s + 1))
     yield ring.sends
@@ -213,6 +213,11 @@ def all_reduce(ch, lay: Layout, x, res, algorithm: str):
         ok &= yield from ring_all_gather(ch, lay, mine, res, per_hop=algorithm == "p2p",
                                          tag0=512)
     return bool(ok)
+
+
+def xp_add(a, b, out):
+    """``out = a + b`` with the array module of ``out`` (NumPy or CuPy)."""
+    (np if isinstance(out, np.ndarray) else __import__("cupy")).add(a, b, out=out)
 
 
 def _empty_like(arr, n: int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from .. import debug as _debug
 from ..ops import Op, ReduceOp
 from . import algorithms as _alg
 from .auto import Auto, choose
@@ -25,19 +26,24 @@ def _check_intact(work, codec) -> None:
 
 
 def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op, nbytes,
-           backend, finish=None):
-    """Common tail: plan, order, create the ScheduleWork, register or wait."""
+           backend, finish=None, reduce_op=None):
+    """Common tail: plan, debug check, tag slot, order, create the ScheduleWork, register
+    or wait."""
     codec = make_codec(cz.codec, dtype.name)
     codec.check_device(device.kind)
     p = plan(op, cz, g.size, count, dtype)
     lay = _alg.Layout(p.chunk_counts if count else (0,), codec)
     ch = Channel(rt, g, backend, device)
+    be = ch.backend(Op.SEND if cz.algorithm != "a2a" else
+                    (Op.ALL_TO_ALL if op is not Op.ALL_GATHER else Op.ALL_GATHER), ch.staging(1))
+    if rt.debug:
+        _debug.check(rt, g, op, be, reads[0], reduce_op=reduce_op, count=count,
+                     compression=f"{codec.name}@{cz.algorithm}*{p.chunks}")
+    ch.claim_slot()
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     gen = gen_fn(ch, lay)
-    probe = ch.staging(1)
-    be = ch.backend(Op.SEND if cz.algorithm != "a2a" else
-                    (Op.ALL_TO_ALL if op is not Op.ALL_GATHER else Op.ALL_GATHER), probe)
     work = ScheduleWork(f"{be.name}+{codec.name}@{cz.algorithm}", op, g, gen, desc=str(p))
+    ch.hold(work)
     if finish is not None:
         work.add_finalizer(finish)
     work.add_finalizer(functools.partial(_check_intact, work, codec))
@@ -47,6 +53,8 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
 def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, then=None):
     """Where auto keeps the backend's own collective: the core's usual path."""
     be = rt.select(op, g, probe, backend)
+    if rt.debug:
+        _debug.check(rt, g, op, be, probe, count=probe.numel)
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     work = call(be)
     if then is not None:
@@ -109,7 +117,7 @@ def reduce_scatter(rt, g, out, inp, op, cz, backend, async_op):
             store(out, res)
 
     return _issue(rt, g, Op.REDUCE_SCATTER, cz, out.numel, inp.dtype, inp.device, gen, (inp,),
-                  (out,), async_op, inp.nbytes, backend, finish)
+                  (out,), async_op, inp.nbytes, backend, finish, op)
 
 
 def all_reduce(rt, g, buf, op, cz, backend, async_op):
@@ -137,4 +145,4 @@ def all_reduce(rt, g, buf, op, cz, backend, async_op):
         store(buf, res[:n])
 
     return _issue(rt, g, Op.ALL_REDUCE, cz, m, buf.dtype, buf.device, gen, (buf,), (buf,),
-                  async_op, buf.nbytes, backend, finish)
+                  async_op, buf.nbytes, backend, finish, op)

@@ -16,15 +16,10 @@ import numpy as np
 
 from .. import alloc
 from .. import dtypes as _dt
+from .. import tags as _tags
 from ..buffer import Buffer
 from ..ops import Op
 from ..work import Work
-
-#: tags [TAG_BASE, TAG_BASE + TAG_SPAN) on a group's communicators are reserved for the
-#: messages of compressed collectives (MPI guarantees tags up to 32767)
-TAG_BASE = 31744
-TAG_SPAN = 1024
-
 
 class ScheduleWork(Work):
     """A generator-driven Work; ``result`` is the generator's return value."""
@@ -69,6 +64,25 @@ class Channel:
         self._backend = backend
         self._chosen: dict = {}
         self._prepost = None
+        self.slot = 0
+
+    def claim_slot(self) -> None:
+        """Take the group's next sequence number and its tag slot (``mcrdl_core.tags``),
+        waiting through the progress loop for an earlier call still in flight on that
+        slot, or, on a backend without tags (NCCL's ordered streams), for every earlier
+        compressed call on the group. Every rank waits for the same calls."""
+        g = self.group
+        self.slot = g.next_seq() % _tags.SLOTS
+        held = g.tag_slots.values() if not self.prepost else [g.tag_slots.get(self.slot)]
+        busy = [w for w in held if w is not None and not w.is_completed()]
+        if busy:
+            self.rt.engine.wait(busy)
+
+    def hold(self, work) -> None:
+        """Record ``work`` as the holder of this call's slot until it completes."""
+        slots, slot = self.group.tag_slots, self.slot
+        slots[slot] = work
+        work.add_finalizer(lambda: slots.pop(slot, None) if slots.get(slot) is work else None)
 
     def staging(self, nbytes: int) -> Buffer:
         """Fresh bytes on the call's device (encoded data lives here)."""
@@ -81,10 +95,12 @@ class Channel:
         return be
 
     def send(self, buf: Buffer, peer: int, tag: int) -> Work:
-        return self.backend(Op.SEND, buf).send(self.group, buf, peer, TAG_BASE + tag % TAG_SPAN)
+        return self.backend(Op.SEND, buf).send(self.group, buf, peer,
+                                               _tags.compress_tag(self.slot, tag))
 
     def recv(self, buf: Buffer, peer: int, tag: int) -> Work:
-        return self.backend(Op.RECV, buf).recv(self.group, buf, peer, TAG_BASE + tag % TAG_SPAN)
+        return self.backend(Op.RECV, buf).recv(self.group, buf, peer,
+                                               _tags.compress_tag(self.slot, tag))
 
     @property
     def prepost(self) -> bool:

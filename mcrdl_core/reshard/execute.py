@@ -44,6 +44,7 @@ import weakref
 import numpy as np
 
 from .. import api as _api
+from .. import tags as _tags
 from ..buffer import as_buffer
 from ..errors import InvalidArgumentError
 from ..runtime import get_runtime
@@ -52,8 +53,8 @@ from .plan import Plan
 
 log = logging.getLogger("mcrdl.reshard")
 
-TAG = 0x7E5A  # point-to-point tag of resharding messages (< 32768, MPI's smallest tag bound)
-GO_TAG = TAG + 1  # a chain's first receiver tells the sender it has started the transfer
+TAG = _tags.RESHARD  # point-to-point tag of resharding messages (reserved: mcrdl_core.tags)
+GO_TAG = _tags.RESHARD_GO  # a chain's first receiver tells the sender it has started
 GO_MIN_BYTES = 1 << 20  # below this, no go message (its round trip costs more than it saves)
 CHAIN_MIN_BYTES = 1 << 16
 
