@@ -38,6 +38,7 @@ from mcrdl_core import dtypes as dt
 from mcrdl_core import mpi_setup as _setup
 from mcrdl_core.backend import Backend
 from mcrdl_core.buffer import Buffer
+import zlib
 from mcrdl_core.ops import Op, ReduceOp
 from mcrdl_core.work import Work
 
@@ -192,10 +193,10 @@ class MPIBackend(Backend):
         world = MPI.COMM_WORLD
         if group.id == 0:
             return _setup.dup(world, group)
-        _setup.members_ready(self._handshake_comm(), group.ranks, group.id, group)
+        _setup.members_ready(self._handshake_comm(), group.ranks, group.key, group)
         sub = world.Get_group().Incl(list(group.ranks))
         try:
-            return world.Create_group(sub, tag=group.id)
+            return world.Create_group(sub, tag=zlib.crc32(group.key.encode()) % 32768)
         finally:
             sub.Free()
 

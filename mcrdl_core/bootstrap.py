@@ -145,7 +145,8 @@ class MPIBootstrap(Bootstrap):
         if sub is None:
             grp = self.comm.Get_group().Incl(list(ranks))
             tag = zlib.crc32(repr(ranks).encode()) % 32768  # the same on every member
-            self._setup.members_ready(self.comm, ranks, tag, kind=2)  # timed, then:
+            self._setup.members_ready(self.comm, ranks, f"bootstrap{list(ranks)}",
+                                      kind=2)  # timed, then:
             try:  # collective over the members only (MPI_Comm_create_group)
                 sub = self._subs[ranks] = self.comm.Create_group(grp, tag=tag)
             finally:

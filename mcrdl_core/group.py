@@ -3,8 +3,10 @@
 A Group is a set of global ranks with this process's position in it. It lazily holds
 one communicator per backend (MPI sub-communicator, Gloo process group, NCCL
 communicator), created on first use by the group's members and then cached: never one
-per call. As in torch.distributed, ``new_group`` must be called by every rank of the
-world, in the same order, with the same ranks, even by ranks that are not members.
+per call. As in torch.distributed, ``new_group`` is called by every rank of the world,
+in the same order, with the same ranks, or (``use_local_synchronization``) by the
+members only; either way the members agree on the group's ``key``, which does not
+depend on calls that other ranks make or skip.
 
 Broken groups. When a wait on the group's work runs past the runtime's timeout
 (``MCRDL_TIMEOUT``; not a shorter deadline the caller passed to ``Work.wait``), the
@@ -19,9 +21,16 @@ from .errors import BrokenGroupError, InvalidArgumentError
 
 
 class Group:
-    def __init__(self, gid: int, ranks, my_global_rank: int, name: str | None = None):
+    """``id``: this process's index of the group (local caches use it); ``key``: the
+    group's identity that every member agrees on (the member list in order and how many
+    groups of that list the member made before, or a name the caller gives, such as
+    torch's group name), which communicator creation exchanges and compares."""
+
+    def __init__(self, gid: int, ranks, my_global_rank: int, name: str | None = None,
+                 key: str | None = None):
         self.id = gid
         self.ranks = tuple(int(r) for r in ranks)
+        self.key = key or ("world" if gid == 0 else f"{','.join(map(str, self.ranks))}#0")
         self.size = len(self.ranks)
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self.rank = self._index.get(my_global_rank, -1)  # -1: not a member

@@ -11,8 +11,9 @@ the step, and in-flight work of other backends keeps moving meanwhile.
 - :func:`dup`: ``MPI_Comm_idup`` (MPI-3), fully nonblocking.
 - :func:`members_ready`: MPI has no nonblocking ``Comm_create_group``/``Comm_split``.
   Before such a call the members run a readiness handshake of nonblocking point-to-point
-  messages (each member tells the leader it is there; the leader answers once all are)
-  on a private communicator. Only then is the blocking creation called, which returns at
+  messages (each member tells the leader it is there and which group it is creating;
+  the leader answers once all are, with a verdict: a member creating another group
+  makes every member raise MismatchError) on a private communicator. Only then is the blocking creation called, which returns at
   once because every member is already in it. Only a peer that dies between the
   handshake and the creation (a window of microseconds) could still block it.
 - :func:`bcast`, :func:`allgather`: pickled objects moved by ``Ibcast``/``Iallgather(v)``
@@ -22,10 +23,12 @@ mpi4py is imported inside the functions: the core imports without it.
 """
 from __future__ import annotations
 
+import hashlib
 import pickle
 
 import numpy as np
 
+from .errors import MismatchError
 from .work import Work
 
 
@@ -74,30 +77,77 @@ def _tag(comm, kind: int, key: int) -> int:
     return (kind * 1_000_003 + int(key)) % (ub + 1)
 
 
-def members_ready(comm, ranks, key: int, group=None, what: str = "create communicator",
+_DIGEST, _TEXT = 32, 95
+_RECORD = _DIGEST + _TEXT + 1  # digest of the key, its text (for messages), a verdict
+
+
+def _record(key: str) -> np.ndarray:
+    raw = key.encode()
+    text = raw[:_TEXT] if len(raw) <= _TEXT else raw[:_TEXT - 3] + b"..."
+    rec = np.zeros(_RECORD, np.uint8)
+    rec[:_DIGEST] = np.frombuffer(hashlib.sha256(raw).digest(), np.uint8)
+    rec[_DIGEST:_DIGEST + len(text)] = np.frombuffer(text, np.uint8)
+    rec[-1] = 1
+    return rec
+
+
+def _text(rec) -> str:
+    return rec[_DIGEST:_DIGEST + _TEXT].tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def members_ready(comm, ranks, key: str, group=None, what: str = "create communicator",
                   kind: int = 1) -> None:
     """Return once every rank of ``ranks`` (ranks of ``comm``) has called this with the
-    same ``key``; only the members call it. Nonblocking point-to-point messages on
-    ``comm`` (tag from ``kind`` and ``key``), waited through the progress loop."""
+    same ``key``; only the members call it. Each member sends the leader (``ranks[0]``)
+    a digest of its key; the leader answers every member with its own and a verdict, so
+    members that are creating different groups at this point (a rank out of step after
+    a caught error, member lists that differ) all raise MismatchError, naming both keys,
+    instead of entering a blocking MPI creation that would never return. Nonblocking
+    point-to-point messages on ``comm`` (one tag per ``kind``), waited through the
+    progress loop."""
     ranks = list(ranks)
     me = comm.Get_rank()
     if len(ranks) < 2:
         return
-    tag, leader = _tag(comm, kind, key), ranks[0]
+    tag, leader = _tag(comm, kind, 0), ranks[0]
     desc = (f"(readiness handshake before creating the communicator of ranks {ranks}: every "
             "member must make its first call on the group)")
-    token = np.zeros(len(ranks), dtype=np.uint8)
+    mine = _record(key)
     if me == leader:
-        reqs = [comm.Irecv([token[i:i + 1], 1, _byte()], r, tag)
-                for i, r in enumerate(ranks) if i]
-        wait(what, reqs, group, (token,), desc)
-        reqs = [comm.Isend([token[i:i + 1], 1, _byte()], r, tag)
-                for i, r in enumerate(ranks) if i]
-        wait(what, reqs, group, (token,), desc)
+        got = np.zeros((len(ranks) - 1, _RECORD), np.uint8)
+        reqs = [comm.Irecv([got[i], _RECORD, _byte()], r, tag) for i, r in enumerate(ranks[1:])]
+        wait(what, reqs, group, (got,), desc)
+        bad = [(r, _text(got[i])) for i, r in enumerate(ranks[1:])
+               if not np.array_equal(got[i, :_DIGEST], mine[:_DIGEST])]
+        if bad:
+            mine[-1] = 0
+        reqs = [comm.Isend([mine, _RECORD, _byte()], r, tag) for r in ranks[1:]]
+        wait(what, reqs, group, (mine,), desc)
+        if bad:
+            _mismatch(key, bad, me)
     else:
-        reqs = [comm.Isend([token[:1], 1, _byte()], leader, tag),
-                comm.Irecv([token[1:2], 1, _byte()], leader, tag)]
-        wait(what, reqs, group, (token,), desc)
+        theirs = np.zeros(_RECORD, np.uint8)
+        reqs = [comm.Isend([mine, _RECORD, _byte()], leader, tag),
+                comm.Irecv([theirs, _RECORD, _byte()], leader, tag)]
+        wait(what, reqs, group, (mine, theirs), desc)
+        if not np.array_equal(theirs[:_DIGEST], mine[:_DIGEST]):
+            _mismatch(key, [(leader, _text(theirs))], me)
+        if theirs[-1] != 1:
+            raise MismatchError(
+                f"mcrdl: rank {me}: creating the communicator of group {key!r}: the leader "
+                f"(rank {leader}) found members that are creating other groups at this point; "
+                "see their errors. " + _ADVICE)
+
+
+_ADVICE = ("Every member must create the same groups in the same order (new_group on every "
+           "rank, or on the members only with use_local_synchronization); a call that "
+           "failed on some ranks only (a caught error) can leave ranks out of step.")
+
+
+def _mismatch(key: str, others, me: int):
+    theirs = "; ".join(f"rank {r} is creating {k!r}" for r, k in others)
+    raise MismatchError(f"mcrdl: rank {me}: creating the communicator of group {key!r} while "
+                        f"{theirs} at the same point. " + _ADVICE)
 
 
 def _byte():

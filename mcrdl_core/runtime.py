@@ -55,6 +55,7 @@ class Runtime:
         self.table = table if table is not None else table_from_env()
         self.world = Group(0, range(self.world_size), self.rank, "world")
         self.groups = [self.world]
+        self._made: dict = {}  # ranks -> how many groups of them new_group made
         self._backends: dict = {}
         self._unavailable: dict = {}
         self._choice: dict = {}  # memoized selections
@@ -152,8 +153,12 @@ class Runtime:
                 if self.backend(n).unsupported_reason(op, device, dtype, reduce_op) is None]
 
     # --- groups -------------------------------------------------------------------------
-    def new_group(self, ranks=None, name: str | None = None, backend: str | None = None) -> Group:
-        """Collective over the world, like torch.distributed.new_group."""
+    def new_group(self, ranks=None, name: str | None = None, backend: str | None = None,
+                  key: str | None = None) -> Group:
+        """Like torch.distributed.new_group: every rank calls it, or the members only.
+        ``ranks`` keep the order given (group rank i is ``ranks[i]``). ``key``: the
+        group's identity among its members (default: the ranks and how many groups of
+        the same ranks this process made before, which every member counts alike)."""
         if ranks is None:
             ranks = range(self.world_size)
         ranks = list(ranks)
@@ -163,7 +168,10 @@ class Runtime:
                                        f"{self.world_size} ranks (0..{self.world_size - 1})")
         if len(set(ranks)) != len(ranks) or not ranks:
             raise InvalidArgumentError(f"new_group: ranks {ranks} must be distinct and non-empty")
-        g = Group(len(self.groups), ranks, self.rank, name)
+        if key is None:
+            made = self._made[tuple(ranks)] = self._made.get(tuple(ranks), -1) + 1
+            key = f"{','.join(map(str, ranks))}#{made}"
+        g = Group(len(self.groups), ranks, self.rank, name, key)
         g.backend = backend
         self.groups.append(g)
         return g

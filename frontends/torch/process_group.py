@@ -19,8 +19,8 @@ Without one, the core's usual order applies (``MCRDL_BACKEND``, table, policy).
 
 Ranks: torch passes group ranks (roots, peers); the core takes global ranks, so the
 group maps them. Subgroups: torch 2.13 hands ``new_group`` to the default group's
-``new_group`` on every rank; the core group is made on every rank (its ids then agree),
-non-members get None.
+``new_group`` on every rank; the core group is made on every rank, keyed by torch's
+group name (which the members share), and non-members get None.
 
 Rendezvous: the core bootstraps itself (MPI under ``mpiexec``, torchrun's store under
 ``torchrun``); the store torch hands to the creator is not used for data. The rank
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -432,7 +431,8 @@ class McrdlProcessGroup(dist.ProcessGroup):
         world_ranks = [self._global(r) for r in range(self._g.size)] if self._g.id != 0 else None
         if world_ranks is not None and any(r not in world_ranks for r in ranks):
             raise InvalidArgumentError(f"new_group: ranks {ranks} are not all in {self._g.describe()}")
-        g = core.new_group(ranks, name=group_name)
+        g = core.new_group(ranks, name=group_name,
+                           key=f"torch:{group_name}" if group_name else None)
         if not g.is_member:
             return None
         opts = pg_options if pg_options is not None else self._choice or None
@@ -474,9 +474,8 @@ def create(dist_opts, backend_options=None) -> McrdlProcessGroup:
         # a subgroup made through the creator (the default group is another backend):
         # only members get here, so the core group's id comes from torch's group name,
         # which every member shares, instead of a creation counter
-        group = rt.new_group(ranks, name=str(dist_opts.group_id))
-        # (16384..32766: above the counter's ids, within the tag range MPI guarantees)
-        group.id = 16384 + zlib.crc32(str(dist_opts.group_id).encode()) % 16383
+        group = rt.new_group(ranks, name=str(dist_opts.group_id),
+                             key=f"torch:{dist_opts.group_id}")
     return McrdlProcessGroup(group, backend_options, timeout)
 
 
