@@ -62,6 +62,7 @@ class Runtime:
         self.logger = comm_logger()
         self.alive = True
         self._unusable = None  # why calls are refused: destroyed (see check_alive)
+        self.connect(self.world)
 
     # --- backends -----------------------------------------------------------------------
     def unavailable_reason(self, name: str) -> str | None:
@@ -168,13 +169,36 @@ class Runtime:
                                        f"{self.world_size} ranks (0..{self.world_size - 1})")
         if len(set(ranks)) != len(ranks) or not ranks:
             raise InvalidArgumentError(f"new_group: ranks {ranks} must be distinct and non-empty")
+        made = self._made.get(tuple(ranks), 0)
         if key is None:
-            made = self._made[tuple(ranks)] = self._made.get(tuple(ranks), -1) + 1
             key = f"{','.join(map(str, ranks))}#{made}"
         g = Group(len(self.groups), ranks, self.rank, name, key)
         g.backend = backend
+        if g.is_member:
+            self.connect(g)  # raises on every member if they are out of step: then the
+        self._made[tuple(ranks)] = made + 1  # group counts as never made, here as there
         self.groups.append(g)
         return g
+
+    def eager_backends(self, group: Group) -> list:
+        """The backends whose communicators are made when the group is (``connect``): the
+        group's default backend and the launcher's own (MPI under mpiexec, Gloo under
+        torchrun), where available. The list depends only on what every rank shares."""
+        names = [group.backend] if isinstance(group.backend, str) else []
+        names.append({"mpi": "mpi", "env": "gloo"}.get(self.bootstrap.kind))
+        return [n for n in dict.fromkeys(names)
+                if n not in (None, "auto") and self.unavailable_reason(n) is None]
+
+    def connect(self, group: Group) -> None:
+        """Create the group's communicators of ``eager_backends`` now, while every member
+        is in the call that made the group (``new_group``, the runtime's creation for the
+        world), as torch's Gloo does: a first call on the group (an ``isend``, say) then
+        never waits for the other members to make theirs, and members may use their
+        groups in any order. Other backends' communicators are made on first use."""
+        if group.size == 1:
+            return
+        for name in self.eager_backends(group):
+            self.backend(name).comm(group)
 
     def group(self, group) -> Group:
         """Resolve None to the world and check that this rank is a member, that the

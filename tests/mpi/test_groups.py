@@ -37,14 +37,36 @@ def test_groups_made_by_members_only_do_not_shift_later_groups(backend):
 
 @needs3
 def test_members_out_of_step_get_mismatch_error_on_every_rank():
-    """Rank 1 makes [0, 1] where ranks 0 and 2 make [0, 1, 2]: the first MPI call on the
-    group raises MismatchError on all three at once (it hung inside MPI_Comm_create_group,
-    or returned wrong sums, while groups were numbered by a per-process counter)."""
-    members = [0, 1] if RANK == 1 else [0, 1, 2]
-    g = mc.new_group(members) if RANK < 3 else mc.new_group([0, 1, 2])
+    """Rank 1 makes [0, 1] where ranks 0 and 2 make [0, 1, 2]: making the group's
+    communicator raises MismatchError on all three at once (it hung inside
+    MPI_Comm_create_group, or returned wrong sums, while groups were numbered by a
+    per-process counter). The failed group counts as never made, so the ranks are in
+    step again afterwards."""
     if RANK >= 3:
-        mc.barrier()
-        return
-    with pytest.raises(MismatchError, match="creating the communicator of group|found members"):
-        mc.all_reduce(np.ones(4, np.float32), group=g, backend="mpi")
+        mc.new_group([0, 1, 2])
+    else:
+        with pytest.raises(MismatchError, match="creating the communicator of group|found members"):
+            mc.new_group([0, 1] if RANK == 1 else [0, 1, 2])
+    g = mc.new_group([0, 1, 2])
+    if RANK < 3:
+        x = np.ones(4, np.float32)
+        mc.all_reduce(x, group=g, backend="mpi")
+        assert np.array_equal(x, np.full(4, 3.0, np.float32))
     mc.barrier()  # the world is still usable
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
+def test_members_use_new_groups_in_different_orders():
+    """Rank 0 calls on ga then gb, the others on gb then ga (async): communicators are
+    made in new_group, so neither first call waits for the other members' first call
+    (with communicators made lazily at the first call, this timed out)."""
+    ga, gb = mc.new_group([0, 1]), mc.new_group([1, 0])
+    if RANK > 1:
+        return
+    xa, xb = np.full(2, 1.0 + RANK, np.float32), np.full(2, 10.0 + RANK, np.float32)
+    calls = [(xa, ga), (xb, gb)] if RANK == 0 else [(xb, gb), (xa, ga)]
+    works = [mc.all_reduce(x, group=g, async_op=True, backend="mpi") for x, g in calls]
+    for w in works:
+        w.wait()
+    assert np.array_equal(xa, np.full(2, 3.0, np.float32))
+    assert np.array_equal(xb, np.full(2, 21.0, np.float32))
