@@ -9,7 +9,7 @@ over a (blocks, block size) view, quantization is one vectorised expression per 
 Interface (:class:`Codec`):
 
 - ``encoded_nbytes(n)``: bytes of the encoding of ``n`` elements, a multiple of 8
-  (so encodings packed one after another keep float32 scales aligned on the GPU);
+  (so encodings packed one after another keep 4-byte scales aligned on the GPU);
 - ``encode(x, out)``: ``x`` a contiguous 1-D float32/float64 array of ``n`` elements,
   ``out`` a uint8 array of ``encoded_nbytes(n)`` bytes;
 - ``decode(enc, out) -> bool``: writes ``n`` values into the float array ``out``;
@@ -18,10 +18,23 @@ Interface (:class:`Codec`):
   (``||decode(encode(x)) - x|| / ||x||`` over finite data), or None where the format
   gives none (zfp). ``typical_error`` is what the tests measure on Gaussian data.
 
+Zero elements are a no-op for every codec: the encoding is 0 bytes, nothing is written
+and no library is called (zfpy dies of SIGBUS on an empty array).
+
+Range. Data of any finite magnitude keeps the bound, float32 or float64 alike: block
+scales are stored with float64's exponent range (a power of two for ``fp16`` and for
+``bf16`` on float64 data, a mantissa and an exponent for ``int8``/``int4``), and blocks
+whose scale or its inverse is not a normal number of the data's dtype (tiny blocks,
+float64 data beyond float32's range) are scaled with ``ldexp`` instead of one
+multiplication. Such blocks, like non-finite ones, take a slower path of their own;
+the others are untouched by it. ``zfp`` compresses float64 as float64 and scales tiny
+data into its working range. ``bf16`` on float32 data is a plain cast (bit-identical
+to ml_dtypes and torch), with bfloat16's range: see :class:`BF16`.
+
 NaN and Inf. ``bf16`` and ``fp16`` carry them as themselves (the scale is computed
 from the finite values). ``int8``/``int4`` reserve three codes (NaN, -Inf, +Inf) so
-non-finite values survive exactly; a block holding one is flagged by a negative
-scale, and only flagged blocks take the slower path. ``zfp`` is undefined on non-finite
+non-finite values survive exactly; a block holding one is flagged in its scale word,
+and only flagged blocks take the slower path. ``zfp`` is undefined on non-finite
 input: such a block is not encoded but flagged, decodes as NaN and the collective
 raises :class:`~mcrdl_core.errors.NonFiniteError` on every rank whose result depends on
 it, after the collective has finished (no rank is left waiting).
@@ -75,8 +88,21 @@ def _absmax_rows(x2, xp):
     return amax, bad
 
 
+def _row_factor(mant, k, dtype, xp, lo: int, hi: int):
+    """Per row ``mant * 2^k`` (``mant`` float64) as a number of ``dtype``, with ``k``
+    clipped into [minexp + lo, maxexp - hi] of ``dtype``; callers pick ``lo``/``hi`` so
+    that inside that range the factor is a normal number and its products with the
+    row's values stay finite, so one multiplication scales the row. Also returns the
+    rows whose ``k`` was clipped: they need an ``ldexp`` of their own."""
+    fi = np.finfo(dtype)
+    kc = xp.clip(k, fi.minexp + lo, fi.maxexp - hi)
+    return xp.ldexp(mant, kc).astype(dtype), kc != k
+
+
 class Codec:
-    """Base class; see the module docstring for the contract."""
+    """Base class; see the module docstring for the contract. Subclasses implement
+    ``_nbytes``, ``_encode`` and ``_decode`` for one element or more; zero elements
+    never reach them."""
 
     name = "codec"
     lossy = True
@@ -85,12 +111,22 @@ class Codec:
     gpu_reason: str | None = None  # None: works on CuPy arrays too
 
     def encoded_nbytes(self, n: int) -> int:
-        raise NotImplementedError
+        return self._nbytes(n) if n else 0
 
     def encode(self, x, out) -> None:
-        raise NotImplementedError
+        if x.shape[0]:
+            self._encode(x, out)
 
     def decode(self, enc, out) -> bool:
+        return self._decode(enc, out) if out.shape[0] else True
+
+    def _nbytes(self, n: int) -> int:
+        raise NotImplementedError
+
+    def _encode(self, x, out) -> None:
+        raise NotImplementedError
+
+    def _decode(self, enc, out) -> bool:
         raise NotImplementedError
 
     def ratio(self, n: int, itemsize: int = 4) -> float:
@@ -118,17 +154,17 @@ class Identity(Codec):
         self.bf16 = self.storage.name == "bfloat16"  # carried as uint16 bits (CuPy has no bf16)
         self.name = "none"
 
-    def encoded_nbytes(self, n: int) -> int:
+    def _nbytes(self, n: int) -> int:
         return _round8(n * self.storage.itemsize)
 
-    def encode(self, x, out) -> None:
+    def _encode(self, x, out) -> None:
         n = x.shape[0]
         if self.bf16:
             out[:2 * n].view(np.uint16)[...] = _bf16_bits(x, _xp(x))
         else:
             out[:n * self.storage.itemsize].view(self.storage)[...] = x
 
-    def decode(self, enc, out) -> bool:
+    def _decode(self, enc, out) -> bool:
         n = out.shape[0]
         if self.bf16:
             out[...] = _bf16_values(enc[:2 * n].view(np.uint16), _xp(out), out.dtype)
@@ -150,27 +186,9 @@ def _bf16_values(bits, xp, dtype):
     return v if dtype == xp.float32 else v.astype(dtype)
 
 
-class BF16(Codec):
-    """bfloat16 cast (round to nearest even): 8 significant bits, float32's range."""
-
-    name = "bf16"
-    error_bound = 2.0 ** -8  # unit roundoff of an 8-bit significand
-    typical_error = 1.7e-3
-
-    def encoded_nbytes(self, n: int) -> int:
-        return _round8(2 * n)
-
-    def encode(self, x, out) -> None:
-        out[:2 * x.shape[0]].view(np.uint16)[...] = _bf16_bits(x, _xp(x))
-
-    def decode(self, enc, out) -> bool:
-        xp = _xp(out)
-        out[...] = _bf16_values(enc[:2 * out.shape[0]].view(np.uint16), xp, out.dtype)
-        return True
-
-
 class _Blocked(Codec):
-    """Common layout: ``nblocks`` float32 scales, then the payload, padded to 8 bytes."""
+    """Common layout: ``nblocks`` 4-byte scale words, then the payload, padded to 8
+    bytes. What a word holds is the subclass's."""
 
     def __init__(self, block: int):
         if block < 2 or block % 2:
@@ -185,40 +203,127 @@ class _Blocked(Codec):
     def payload_nbytes(self, n: int) -> int:
         raise NotImplementedError
 
-    def encoded_nbytes(self, n: int) -> int:
+    def _nbytes(self, n: int) -> int:
         return _round8(4 * self.nblocks(n) + self.payload_nbytes(n))
 
     def _parts(self, enc, n: int):
         nb = self.nblocks(n)
-        return enc[:4 * nb].view(np.float32), enc[4 * nb:4 * nb + self.payload_nbytes(n)]
+        return enc[:4 * nb].view(np.uint32), enc[4 * nb:4 * nb + self.payload_nbytes(n)]
 
-    def encode(self, x, out) -> None:
+    def _encode(self, x, out) -> None:
         n = x.shape[0]
-        scales, payload = self._parts(out, n)
+        words, payload = self._parts(out, n)
         body, tail = _blocks(x, self.block)
         nfull = body.shape[0]
-        self._encode_rows(body, scales[:nfull], payload[:self.payload_nbytes(nfull * self.block)])
+        self._encode_rows(body, words[:nfull], payload[:self.payload_nbytes(nfull * self.block)])
         if tail is not None:
-            self._encode_rows(tail, scales[nfull:], payload[self.payload_nbytes(nfull * self.block):])
+            self._encode_rows(tail, words[nfull:],
+                              payload[self.payload_nbytes(nfull * self.block):])
 
-    def decode(self, enc, out) -> bool:
+    def _decode(self, enc, out) -> bool:
         n = out.shape[0]
-        scales, payload = self._parts(enc, n)
+        words, payload = self._parts(enc, n)
         body, tail = _blocks(out, self.block)
         nfull = body.shape[0]
-        self._decode_rows(scales[:nfull], payload[:self.payload_nbytes(nfull * self.block)], body)
+        self._decode_rows(words[:nfull], payload[:self.payload_nbytes(nfull * self.block)], body)
         if tail is not None:
-            self._decode_rows(scales[nfull:], payload[self.payload_nbytes(nfull * self.block):],
+            self._decode_rows(words[nfull:], payload[self.payload_nbytes(nfull * self.block):],
                               tail)
         return True
 
 
+# --- power-of-two block scales (fp16, and bf16 on float64 data) ---------------------------
+def _pow2_exponents(x2, top: int, xp):
+    """Per row the k (int32) for which the row's largest finite magnitude divided by 2^k
+    lies in [2^(top-1), 2^top); 0 for rows without a nonzero finite value."""
+    amax, _ = _absmax_rows(x2, xp)
+    _, e = xp.frexp(amax)  # amax < 2^e, frexp(0) = (0, 0)
+    return xp.where(amax > 0, e - top, 0).astype(xp.int32)
+
+
+def _pow2_down(x2, k, xp):
+    """x2 / 2^k per row, in x2's dtype: one multiplication where 2^-k is a normal
+    number of that dtype, ldexp for the other rows (exact either way, but for values
+    that become subnormal, which the 16-bit formats round to zero or near it anyway)."""
+    inv, slow = _row_factor(xp.ones(k.shape), -k, x2.dtype, xp, 0, 1)
+    y = x2 * inv[:, None]
+    if bool(slow.any()):
+        y[slow] = xp.ldexp(x2[slow], -k[slow][:, None])
+    return y
+
+
+def _pow2_up_slow(v, k, top: int, out2, slow, xp) -> None:
+    """out2[slow] = v[slow] * 2^k[slow] for the rows a multiplication cannot scale (2^k
+    not a normal number of out2's dtype, or products that may overflow), by ldexp:
+    exact but for one rounding where the result is subnormal. A finite v = +-2^top is a
+    block maximum that rounded up to 2^e in the 16-bit format; where 2^e exceeds the
+    dtype's range it saturates at the largest finite value, nearer to the original
+    value than 2^e (a real infinity is carried as itself and stays one)."""
+    fi = np.finfo(out2.dtype)
+    vs = v[slow].astype(out2.dtype)
+    ks = k[slow][:, None]
+    over = (xp.abs(vs) == 2.0 ** top) & (ks + top >= fi.maxexp)
+    out2[slow] = xp.where(over, xp.copysign(fi.max, vs), xp.ldexp(xp.where(over, 0, vs), ks))
+
+
+class BF16(_Blocked):
+    """bfloat16 (round to nearest even): 8 significant bits.
+
+    On float32 data it is exactly the cast (bit-identical to ml_dtypes and torch), so it
+    has bfloat16's range: values at or above 3.3961e38 (within 2^-9 of float32's
+    largest value) round to +-inf, and values below 2^-126 keep only bfloat16's
+    subnormal spacing (2^-133); the bound holds for data between. On float64 data each
+    block of 1024 values is first divided by a power of two that brings its largest
+    magnitude to [2^63, 2^64), so float64 data of any magnitude keeps bfloat16's
+    relative precision. The power (an int32 per block, 0 for float32) is in the
+    encoding either way: 4 bytes per 1024 values."""
+
+    kind = "bf16"
+    TOP = 64
+    error_bound = 2.0 ** -8  # unit roundoff of an 8-bit significand
+    typical_error = 1.7e-3
+
+    def __init__(self):
+        super().__init__(1024)
+        self.name = "bf16"
+
+    def payload_nbytes(self, n: int) -> int:
+        return 2 * n
+
+    def _encode_rows(self, x2, words, payload) -> None:
+        xp = _xp(x2)
+        bits = payload.view(np.uint16).reshape(x2.shape)
+        if x2.dtype.itemsize <= 4:  # float32: the plain cast, no scale
+            words[...] = 0
+            bits[...] = _bf16_bits(x2, xp)
+            return
+        k = _pow2_exponents(x2, self.TOP, xp)
+        words.view(np.int32)[...] = k
+        bits[...] = _bf16_bits(_pow2_down(x2, k, xp), xp)
+
+    def _decode_rows(self, words, payload, out2) -> None:
+        xp = _xp(out2)
+        k = words.view(np.int32)
+        v = _bf16_values(payload.view(np.uint16).reshape(out2.shape), xp, out2.dtype)
+        if not bool(k.any()):
+            out2[...] = v
+            return
+        scale, slow = _row_factor(xp.ones(k.shape), k, out2.dtype, xp, 0, 1 + self.TOP)
+        xp.multiply(v, scale[:, None], out=out2)
+        if bool(slow.any()):
+            _pow2_up_slow(v, k, self.TOP, out2, slow, xp)
+
+
 class FP16(_Blocked):
-    """float16 after dividing each block by a power of two, so that the block's largest
-    finite magnitude lands in [2^14, 2^15): no overflow whatever the range, and the
-    power-of-two scale adds no rounding of its own. Host casts go through ``_half``."""
+    """float16 after dividing each block by a power of two 2^k (an int32 per block), so
+    that the block's largest finite magnitude lands in [2^14, 2^15): no overflow and no
+    loss to float16's subnormals whatever the range (float32's or float64's), and the
+    power of two adds no rounding of its own. A block maximum that float16 rounds up to
+    2^e beyond the dtype's range (within 2^-12 of float32's largest value) decodes as
+    that largest value, not inf. Host casts go through ``_half``."""
 
     kind = "fp16"
+    TOP = 15
     error_bound = 2.0 ** -11  # float16's unit roundoff (values within 2^-24 of the block max
     typical_error = 2.2e-4    # underflow to subnormals; they are below that bound's share)
 
@@ -228,26 +333,28 @@ class FP16(_Blocked):
     def payload_nbytes(self, n: int) -> int:
         return 2 * n
 
-    def _encode_rows(self, x2, scales, payload) -> None:
+    def _encode_rows(self, x2, words, payload) -> None:
         xp = _xp(x2)
-        amax, _ = _absmax_rows(x2, xp)
-        _, e = xp.frexp(amax.astype(xp.float32))  # amax < 2^e
-        e = xp.clip(e, -110, 128)  # keeps 1/scale finite in float32 for tiny blocks
-        scale = xp.ldexp(xp.ones_like(amax, dtype=xp.float32), e - 15)
-        scale[amax == 0] = 1.0
-        scales[...] = scale
+        k = _pow2_exponents(x2, self.TOP, xp)
+        words.view(np.int32)[...] = k
         h = payload.view(np.float16).reshape(x2.shape)
-        inv = (1.0 / scale).astype(x2.dtype)[:, None]
-        if not _half(h, x2 * inv):
-            xp.multiply(x2, inv, out=h, casting="unsafe")
+        inv, slow = _row_factor(xp.ones(k.shape), -k, x2.dtype, xp, 0, 1)
+        if not _half(h, x2 * inv[:, None]):
+            xp.multiply(x2, inv[:, None], out=h, casting="unsafe")
+        if bool(slow.any()):
+            h[slow] = xp.ldexp(x2[slow], -k[slow][:, None])
 
-    def _decode_rows(self, scales, payload, out2) -> None:
-        h = payload.view(np.float16).reshape(out2.shape)
+    def _decode_rows(self, words, payload, out2) -> None:
         xp = _xp(out2)
+        k = words.view(np.int32)
+        h = payload.view(np.float16).reshape(out2.shape)
+        scale, slow = _row_factor(xp.ones(k.shape), k, out2.dtype, xp, 0, 1 + self.TOP)
         if _half(out2, h):
-            out2 *= scales.astype(out2.dtype)[:, None]
+            out2 *= scale[:, None]
         else:
-            xp.multiply(h, scales.astype(out2.dtype)[:, None], out=out2)
+            xp.multiply(h, scale[:, None], out=out2)
+        if bool(slow.any()):
+            _pow2_up_slow(h, k, self.TOP, out2, slow, xp)
 
 
 def _half(dst, src) -> bool:
@@ -264,10 +371,48 @@ def _half(dst, src) -> bool:
     return True
 
 
+# --- int8 / int4 scale words -------------------------------------------------------------
+#: frexp exponents of finite float64 values lie in -1073..1024; biased they fit 12 bits
+_EXP_BIAS = 1100
+#: significant bits kept of a block's largest magnitude (its leading one and 19 more)
+_MANT_BITS = 20
+_FLAG = 0x80000000
+
+
+def _pack_amax(amax, bad, xp):
+    """Each block's largest finite magnitude ``amax = m * 2^e`` (m in [0.5, 1)) as a
+    32-bit word: bit 31 flags a block holding NaN/Inf, bits 30..19 hold e + _EXP_BIAS,
+    bits 18..0 the 19 bits of m after its leading one, truncated (so m' <= m, within
+    2^-19 of it); a word of 0 is a block of zeros. float64's whole range fits, which a
+    float32 scale (amax / LEVELS) cannot hold: it overflows for float64 data and
+    loses all precision in float32's subnormals. Returns the words, m' and e."""
+    m, e = xp.frexp(amax.astype(xp.float64))
+    zero = amax == 0
+    frac = xp.floor((xp.maximum(m, 0.5) - 0.5) * 2.0 ** _MANT_BITS)
+    word = ((e + _EXP_BIAS).astype(xp.uint32) << 19) | frac.astype(xp.uint32)
+    word = xp.where(zero, 0, word).astype(xp.uint32) | xp.where(bad, _FLAG, 0).astype(xp.uint32)
+    m = xp.where(zero, 0.0, 0.5 + frac * 2.0 ** -_MANT_BITS)
+    return word, m, xp.where(zero, 0, e).astype(xp.int32)
+
+
+def _unpack_amax(words, xp):
+    """(m', e, flagged) of each block's word from ``_pack_amax``."""
+    ef = (words >> 19) & 0xFFF
+    m = xp.where(ef == 0, 0.0, 0.5 + (words & 0x7FFFF).astype(xp.float64) * 2.0 ** -_MANT_BITS)
+    e = xp.where(ef == 0, 0, ef.astype(xp.int32) - _EXP_BIAS).astype(xp.int32)
+    return m, e, (words & _FLAG) != 0
+
+
 class _IntQ(_Blocked):
-    """Symmetric integer quantization with one float32 scale per block (ZeRO++ style).
-    Finite values map to [-L, L]; the codes NAN, NINF, PINF are reserved so NaN/Inf
-    survive. A block holding any of them stores its scale negated (the flag)."""
+    """Symmetric integer quantization with one scale word per block (ZeRO++ style).
+    The word holds the block's largest finite magnitude amax' (``_pack_amax``: 20
+    significant bits, float64's exponent range); finite values map to
+    rint(x * LEVELS / amax') in [-L, L] and decode as code * amax' / LEVELS. The codes
+    NAN, NINF, PINF are reserved so NaN/Inf survive; a block holding any of them is
+    flagged in its word. Scaling is one multiplication per value where the factor is
+    a normal number of the data's dtype; tiny blocks (LEVELS/amax beyond float32's
+    range below ~3.7e-37, steps amax/LEVELS in float32's subnormals) and float64
+    blocks at its extremes are scaled by ldexp on their own."""
 
     LEVELS = 0
     NAN = NINF = PINF = 0
@@ -277,26 +422,33 @@ class _IntQ(_Blocked):
         # worst case: every value half a step from its block's maximum
         self.error_bound = math.sqrt(self.block) / (2 * self.LEVELS)
 
-    def _quantize(self, x2, scales):
+    def _quantize(self, x2, words):
         xp = _xp(x2)
+        L = self.LEVELS
         amax, bad = _absmax_rows(x2, xp)
-        scale = (amax / self.LEVELS).astype(xp.float32)
-        inv = xp.where(amax > 0, self.LEVELS / xp.where(amax > 0, amax, 1), 0).astype(x2.dtype)
+        words[...], m, e = _pack_amax(amax, bad, xp)
+        r = xp.where(m > 0, L / xp.where(m > 0, m, 1.0), 0.0)  # L / m' in (L, 2L]
+        inv, slow = _row_factor(r, -e, x2.dtype, xp, 0, (2 * L).bit_length())
         q = xp.rint(x2 * inv[:, None])
+        if bool(slow.any()):
+            q[slow] = xp.rint(xp.ldexp(x2[slow], -e[slow][:, None]) * r[slow][:, None])
         if bool(bad.any()):
             rows = x2[bad]
             qb = xp.nan_to_num(q[bad], nan=0.0, posinf=0.0, neginf=0.0)
             qb = xp.where(xp.isnan(rows), self.NAN, qb)
             qb = xp.where(rows == xp.inf, self.PINF, qb)
             q[bad] = xp.where(rows == -xp.inf, self.NINF, qb)
-            scale[bad] = -xp.maximum(scale[bad], xp.finfo(xp.float32).tiny)
-        scales[...] = scale
         return q.astype(xp.int8)
 
-    def _dequantize(self, q, scales, out2) -> None:
+    def _dequantize(self, q, words, out2) -> None:
         xp = _xp(out2)
-        xp.multiply(q, xp.abs(scales).astype(out2.dtype)[:, None], out=out2)
-        bad = scales < 0
+        m, e, bad = _unpack_amax(words, xp)
+        s = m / self.LEVELS  # in [2^-(b+1), 2^-(b-1)) for b = LEVELS.bit_length()
+        step, slow = _row_factor(s, e, out2.dtype, xp, self.LEVELS.bit_length() + 1, 0)
+        xp.multiply(q, step[:, None], out=out2)
+        if bool(slow.any()):
+            out2[slow] = xp.ldexp(q[slow] * s[slow].astype(out2.dtype)[:, None],
+                                  e[slow][:, None])
         if bool(bad.any()):
             qb, ob = q[bad], out2[bad]
             ob = xp.where(qb == self.NAN, xp.nan, ob)
@@ -305,7 +457,7 @@ class _IntQ(_Blocked):
 
 
 class Int8(_IntQ):
-    """int8 codes, one float32 scale per block (default 256 values): ratio ~3.94 on
+    """int8 codes, one scale word per block (default 256 values): ratio ~3.94 on
     float32. Worst-case relative L2 error sqrt(block)/(2*126) (every value at half a
     step from its block's maximum); ~7e-3 on Gaussian data."""
 
@@ -320,16 +472,16 @@ class Int8(_IntQ):
     def payload_nbytes(self, n: int) -> int:
         return n
 
-    def _encode_rows(self, x2, scales, payload) -> None:
-        payload.view(np.int8).reshape(x2.shape)[...] = self._quantize(x2, scales)
+    def _encode_rows(self, x2, words, payload) -> None:
+        payload.view(np.int8).reshape(x2.shape)[...] = self._quantize(x2, words)
 
-    def _decode_rows(self, scales, payload, out2) -> None:
-        self._dequantize(payload.view(np.int8).reshape(out2.shape), scales, out2)
+    def _decode_rows(self, words, payload, out2) -> None:
+        self._dequantize(payload.view(np.int8).reshape(out2.shape), words, out2)
 
 
 class Int4(_IntQ):
-    """4-bit codes packed two per byte, one float32 scale per block (default 128):
-    ratio ~7.1 on float32. Finite values use 13 levels (-6..6), three codes carry
+    """4-bit codes packed two per byte, one scale word per block (default 128): ratio
+    ~7.1 on float32. Finite values use 13 levels (-6..6), three codes carry
     NaN/-Inf/+Inf. Relative L2 error ~1e-1 on Gaussian data: for tolerant uses only."""
 
     kind = "int4"
@@ -343,31 +495,36 @@ class Int4(_IntQ):
     def payload_nbytes(self, n: int) -> int:
         return (n + 1) // 2
 
-    def _encode_rows(self, x2, scales, payload) -> None:
+    def _encode_rows(self, x2, words, payload) -> None:
         xp = _xp(x2)
-        q = self._quantize(x2, scales).reshape(-1)
+        q = self._quantize(x2, words).reshape(-1)
         if q.shape[0] % 2:
             q = xp.concatenate([q, xp.zeros(1, xp.int8)])
         packed = (q[0::2] & 0x0F) | (q[1::2] << 4)
         payload[...] = packed.view(xp.uint8)
 
-    def _decode_rows(self, scales, payload, out2) -> None:
+    def _decode_rows(self, words, payload, out2) -> None:
         xp = _xp(out2)
         p = payload.view(xp.int8)
         q = xp.empty(2 * p.shape[0], xp.int8)
         q[0::2] = (p << 4) >> 4  # sign-extend the low nibble
         q[1::2] = p >> 4
         n = out2.shape[0] * out2.shape[1]
-        self._dequantize(q[:n].reshape(out2.shape), scales, out2)
+        self._dequantize(q[:n].reshape(out2.shape), words, out2)
 
 
 class ZFP(Codec):
     """zfp fixed-rate mode through zfpy (the seed paper's codec): RATE bits per value,
     so the stream size is bounded from n alone: a header of at most 148 bits (96 when
     the mode fits zfp's short form) plus ceil(n/4) blocks of 4*RATE bits, in 64-bit
-    words; the slot reserves the bound. Layout: a uint32 flag (1: the input was not
-    finite and was not encoded), the uint32 stream length, then the zfp stream. CPU
-    only."""
+    words; the slot reserves the bound. Layout: an int16 flag (1: the input was not
+    finite and was not encoded), an int16 power of two s, the uint32 stream length,
+    then the zfp stream of x / 2^s. float64 data is compressed as float64 (zfp's double
+    mode, same stream size), so its range is float64's. zfp returns garbage for blocks
+    whose largest magnitude is below about 2^-94 (float32) or 2^-958 (float64) and is
+    exact under power-of-two scaling above: an encoding whose largest magnitude is
+    below 2^(minexp / 2) of its dtype (2^-63, 2^-511) is divided by the power of two s
+    that brings it to [0.5, 1) (s = 0 otherwise). CPU only."""
 
     typical = {8: 5.4e-2, 16: 2.1e-4, 24: 8.2e-7}
     gpu_reason = ("zfpy runs on the CPU only and no Python binding of zfp's CUDA backend is "
@@ -393,31 +550,38 @@ class ZFP(Codec):
         bits = 148 + -(-n // 4) * 4 * self.rate
         return -(-bits // 64) * 8
 
-    def encoded_nbytes(self, n: int) -> int:
+    def _nbytes(self, n: int) -> int:
         return 8 + self.stream_nbytes(n)
 
-    def encode(self, x, out) -> None:
+    def _encode(self, x, out) -> None:
         import zfpy
 
-        head = out[:8].view(np.uint32)
-        if not np.isfinite(x).all():
-            head[:] = (1, 0)
+        head, length = out[:4].view(np.int16), out[4:8].view(np.uint32)
+        amax = float(max(x.max(), -x.min()))
+        if not math.isfinite(amax):
+            head[:], length[:] = (1, 0), 0
             return
-        stream = zfpy.compress_numpy(np.ascontiguousarray(x, dtype=np.float32), rate=self.rate)
+        x = np.ascontiguousarray(x, dtype=np.float64 if x.dtype == np.float64 else np.float32)
+        shift = 0
+        if 0 < amax < 2.0 ** (np.finfo(x.dtype).minexp // 2):
+            shift = math.frexp(amax)[1]
+            x = np.ldexp(x, -shift)
+        stream = zfpy.compress_numpy(x, rate=self.rate)
         size = self.stream_nbytes(x.shape[0])
         if len(stream) > size:
             raise RuntimeError(f"zfp produced {len(stream)} bytes for {x.shape[0]} values at rate "
                                f"{self.rate}, at most {size} expected: this zfpy build does not "
                                "follow the fixed-rate layout; use another codec")
-        head[:] = (0, len(stream))
+        head[:], length[:] = (0, shift), len(stream)
         out[8:8 + len(stream)] = np.frombuffer(stream, np.uint8)
 
-    def decode(self, enc, out) -> bool:
+    def _decode(self, enc, out) -> bool:
         import zfpy
 
-        flag, size = (int(v) for v in enc[:8].view(np.uint32))
+        flag, shift = (int(v) for v in enc[:4].view(np.int16))
         if flag:
             out[...] = np.nan
             return False
-        out[...] = zfpy.decompress_numpy(enc[8:8 + size].tobytes())
+        values = zfpy.decompress_numpy(enc[8:8 + int(enc[4:8].view(np.uint32)[0])].tobytes())
+        out[...] = np.ldexp(values, shift) if shift else values
         return True
