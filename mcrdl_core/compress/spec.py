@@ -47,7 +47,8 @@ MAX_CHUNKS = 8
 class Compression:
     """An allowed codec and the algorithm that uses it. ``chunks``: pieces per block,
     each encoded, sent and decoded on its own so that the codec of one overlaps the
-    transfer of another (None: one per MiB of encoded data, at most 8)."""
+    transfer of another (None: ring only; one piece below 2 MiB of
+    encoded data, then one per MiB of it, at most 8)."""
 
     codec: str
     algorithm: str = "ring"
