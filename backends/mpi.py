@@ -12,7 +12,16 @@ What MPI lacks is built from MPI itself:
   words (MPI_UINT16_T).
 - ReduceOp.AVG: MPI_SUM, then a division by the group size when the request completes.
 
-Buffers are passed to MPI by address (``MPI.buffer.fromaddress``), no copies.
+Buffers are passed to MPI by address (``MPI.buffer.fromaddress``), no copies, except
+where the input shares memory with the output, as torch.distributed allows
+(``all_gather_into_tensor(out, out[r*n:(r+1)*n])``, ``reduce_scatter_tensor(x[r*n:(r+1)*n],
+x)``, ``all_to_all_single(x, x)``): MPI forbids overlapping send and receive buffers
+(MPICH refuses identical pointers, "Buffers must not be aliased", and other overlaps are
+undefined), so the input goes to MPI as a copy (``_apart``). Not ``MPI_IN_PLACE``: for
+these ops the standard requires it on all processes or none, and a rank cannot know
+whether its peers' calls are in place; the copy is of the input only (1/size of an
+all-gather's output). Gather and scatter never see shared memory here: the core hands
+them fresh temporaries.
 
 CUDA buffers (CuPy required):
 - CUDA-aware MPI (``cuda_support()``: ``MCRDL_MPI_CUDA_AWARE=0/1`` if set, else
@@ -89,6 +98,19 @@ class _FastWork(MPIWork):
 
     def _poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
+
+
+def _overlap(a: Buffer, b: Buffer) -> bool:
+    """Whether ``a`` and ``b`` share a byte of memory (empty buffers share none)."""
+    (lo_a, hi_a), (lo_b, hi_b) = a.span(), b.span()
+    return bool(a.nbytes and b.nbytes) and lo_a < hi_b and lo_b < hi_a
+
+
+def _apart(inp: Buffer, out: Buffer) -> Buffer:
+    """``inp``, or a host copy of it when it shares memory with ``out``: what MPI reads
+    must not overlap what it writes (see the module docstring). Host buffers only: an
+    aliased CUDA call is staged (``MPIBackend.cuda_call``), which separates them."""
+    return Buffer.from_numpy(inp.host().copy()) if _overlap(inp, out) else inp
 
 
 def _spec(buf: Buffer, count: int | None = None):
@@ -168,12 +190,14 @@ class MPIBackend(Backend):
         return None
 
     def cuda_call(self, op, fn, group, args):
-        """Device pointers if the library is CUDA-aware and no host arithmetic is
-        needed, else pinned host staging (see the module docstring)."""
+        """Device pointers if the library is CUDA-aware, no host arithmetic is needed and
+        the buffers do not share memory (an in-place call), else pinned host staging
+        (see the module docstring): the host mirrors are separate buffers."""
         bufs = _cuda.cuda_buffers(args)
         red = next((a for a in args if isinstance(a, ReduceOp)), None)
         host_math = red is ReduceOp.AVG or (red is not None and bufs[0].dtype.is_half)
-        if cuda_support()[0] and not host_math:
+        aliased = len(bufs) == 2 and _overlap(*bufs)
+        if cuda_support()[0] and not host_math and not aliased:
             _cuda.ready(self.rt.engine, bufs, self.name, op, group)
             return fn(self, group, *args)
         return _cuda.staged_call(self.rt.engine, self.name, op, functools.partial(fn, self),
@@ -251,12 +275,13 @@ class MPIBackend(Backend):
 
     @_gpu(Op.ALL_GATHER)
     def all_gather(self, group, out, inp):
+        inp = _apart(inp, out)
         req = self.comm(group).Iallgather(_spec(inp), _spec(out, inp.numel))
         return MPIWork(Op.ALL_GATHER, group, req, (out, inp))
 
     @_gpu(Op.REDUCE_SCATTER)
     def reduce_scatter(self, group, out, inp, op):
-        r_in = _Reducible(inp, ReduceOp.SUM, group.size)
+        r_in = _Reducible(_apart(inp, out), ReduceOp.SUM, group.size)
         r_out = _Reducible(out, op, group.size, copy_in=False)
         req = self.comm(group).Ireduce_scatter_block(_spec(r_in.work_buf, out.numel),
                                                      _spec(r_out.work_buf),
@@ -267,6 +292,7 @@ class MPIBackend(Backend):
     @_gpu(Op.ALL_TO_ALL)
     def all_to_all(self, group, out, inp, out_counts, in_counts):
         comm = self.comm(group)
+        inp = _apart(inp, out)
         if len(set(in_counts)) == 1 and in_counts == out_counts:
             req = comm.Ialltoall(_spec(inp, in_counts[0]), _spec(out, out_counts[0]))
         else:

@@ -70,14 +70,26 @@ def linger():
 
 
 # --- a rank that never makes the call -------------------------------------------------
-def straggler(backend, later, first_rank=0):
+def straggler(backend, later, first_rank=0, lag=None):
+    """``lag`` (seconds): the call is async and waited that long after it was issued, so
+    the library's clock starts before MCR-DL's (which starts at the wait); MCR-DL's
+    CommTimeoutError must still come first (Gloo's own timeout is set 1 s later)."""
     g = dist.new_group(list(range(SIZE)))
     t = torch.ones(4)
-    name = f"straggler_{'later' if later else 'first'}{'_r' if first_rank else ''}:{backend}"
+    kind = "async" if lag is not None else "later" if later else "first"
+    name = f"straggler_{kind}{'_r' if first_rank else ''}:{backend}"
     if later:
         run(name + " (warm-up)", lambda: dist.all_reduce(t, group=g, backend=backend))
+
+    def call():
+        if lag is None:
+            return dist.all_reduce(t, group=g, backend=backend)
+        work = dist.all_reduce(t, group=g, backend=backend, async_op=True)
+        time.sleep(lag)
+        return work.wait()
+
     if RANK == first_rank:
-        exc = run(name, lambda: dist.all_reduce(t, group=g, backend=backend))
+        exc = run(name, call)
         if exc is not None:  # the group is broken now: the next call refuses at once
             run(name + " (next call)", lambda: dist.all_reduce(t, group=g, backend=backend))
     else:
@@ -194,6 +206,7 @@ CASES = {
     "straggler_first": lambda b: straggler(b, later=False),
     "straggler_first_r": lambda b: straggler(b, later=False, first_rank=SIZE - 1),
     "straggler_later": lambda b: straggler(b, later=True),
+    "straggler_async": lambda b: straggler(b, later=True, lag=0.5),
     "kill_collective": lambda b: dead_collective(b, "kill"),
     "kill_p2p": lambda b: dead_p2p(b, "kill"),
     "crash_collective": lambda b: dead_collective(b, "crash"),

@@ -31,6 +31,8 @@ def _fault_and_call(case: str, note: str = ""):
         "straggler_first": ("a rank never makes the call (rank 1 late)", "first call"),
         "straggler_first_r": ("a rank never makes the call (rank 0 late)", "first call"),
         "straggler_later": ("a rank never makes the call (rank 1 late)", "later call"),
+        "straggler_async": ("a rank never makes the call (rank 1 late)",
+                            "later call, async, waited 0.5 s after it was issued"),
         "crash_collective": ("rank 1 exits (os._exit) during 64 MiB all_reduces", "later call"),
         "crash_p2p": ("rank 1 exits (os._exit) during 64 MiB sends", "later call"),
         "kill_collective": ("rank 1 SIGKILLed during 64 MiB all_reduces", "later call"),
