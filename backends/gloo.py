@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcrdl_core import bootstrap as _bootstrap
 from mcrdl_core import cuda as _cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.backend import Backend
@@ -107,7 +108,7 @@ def env_store(bootstrap):
     timeout = float(os.environ.get("MCRDL_TIMEOUT", 300))
     store = dist.TCPStore(host, port, bootstrap.size, is_master=bootstrap.rank == 0 and not agent,
                           timeout=_timeout(timeout), wait_for_workers=False)
-    return dist.PrefixStore("mcrdl", store)
+    return dist.PrefixStore(_bootstrap.store_prefix(), store)
 
 
 class GlooWork(Work):
@@ -140,7 +141,7 @@ class GlooBackend(Backend):
 
     def __init__(self, runtime):
         super().__init__(runtime)
-        self._store = None
+        self._stores: dict = {}  # member ranks -> store (MPI bootstrap)
 
     @classmethod
     def unavailable_reason(cls, bootstrap):
@@ -191,23 +192,29 @@ class GlooBackend(Backend):
             desc="waiting for Gloo's copy back to the GPU"))
 
     # --- store and process groups -------------------------------------------------------
-    def store(self):
-        if self._store is None:
-            bs = self.rt.bootstrap
-            if bs.kind == "env":
-                self._store = bs.store
+    def store(self, group=None):
+        """The store the Gloo groups rendezvous on. Under torchrun (or a torch launch),
+        the bootstrap's. Under MPI, a TCPStore hosted by the group's first member, whose
+        address goes to the members only (``group_bcast``): a group made by its members
+        only never waits for the rest of the world. The world's is kept for later groups
+        that every rank makes."""
+        bs = self.rt.bootstrap
+        if bs.kind == "env":
+            return bs.store
+        ranks = tuple(range(bs.size)) if group is None else group.ranks
+        st = self._stores.get(ranks)
+        if st is None:
+            timeout = _timeout(self.rt.engine.timeout)
+            host = "127.0.0.1" if bs.all_local else os.environ.get("MASTER_ADDR", bs.hostname())
+            if bs.rank == ranks[0]:
+                store = dist.TCPStore(host, 0, len(ranks), is_master=True, timeout=timeout,
+                                      wait_for_workers=False)
+                bs.group_bcast((host, store.port), ranks)
             else:
-                timeout = _timeout(self.rt.engine.timeout)
-                host = "127.0.0.1" if bs.all_local else os.environ.get("MASTER_ADDR", bs.hostname())
-                if bs.rank == 0:
-                    store = dist.TCPStore(host, 0, bs.size, is_master=True, timeout=timeout,
-                                          wait_for_workers=False)
-                    bs.bcast((host, store.port))
-                else:
-                    host, port = bs.bcast(None)
-                    store = dist.TCPStore(host, port, bs.size, is_master=False, timeout=timeout)
-                self._store = dist.PrefixStore("mcrdl", store)
-        return self._store
+                host, port = bs.group_bcast(None, ranks)
+                store = dist.TCPStore(host, port, len(ranks), is_master=False, timeout=timeout)
+            st = self._stores[ranks] = dist.PrefixStore("mcrdl", store)
+        return st
 
     def _device(self):
         iface = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -218,7 +225,7 @@ class GlooBackend(Backend):
         return dist.ProcessGroupGloo.create_default_device()
 
     def create_comm(self, group):
-        store = dist.PrefixStore(f"g{group.id}", self.store())
+        store = dist.PrefixStore(f"g{group.key}", self.store(group))
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._device()]
         opts._timeout = _timeout(self.rt.engine.timeout)
@@ -231,7 +238,7 @@ class GlooBackend(Backend):
     def destroy(self):
         for g in self.rt.groups:
             g.comms.pop(self.name, None)
-        self._store = None
+        self._stores.clear()
 
     # --- helpers ------------------------------------------------------------------------
     def _work(self, op, group, twork, bufs, finalize=None, desc=""):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 
 import numpy as np
 from mpi4py import MPI
@@ -47,7 +48,6 @@ from mcrdl_core import dtypes as dt
 from mcrdl_core import mpi_setup as _setup
 from mcrdl_core.backend import Backend
 from mcrdl_core.buffer import Buffer
-import zlib
 from mcrdl_core.ops import Op, ReduceOp
 from mcrdl_core.work import Work
 

@@ -168,9 +168,11 @@ class EnvBootstrap(Bootstrap):
     mpi_reason = ("the job was launched by torchrun (RANK/WORLD_SIZE set, no MPI launcher): "
                   "launch with mpiexec to use the MPI backend")
 
-    def __init__(self, store_factory):
-        self.rank = int(os.environ["RANK"])
-        self.size = int(os.environ["WORLD_SIZE"])
+    def __init__(self, store_factory, rank: int | None = None, size: int | None = None):
+        """``rank``/``size``: what torch was told (``init_process_group(rank=,
+        world_size=)``, as under ``mp.spawn``), else RANK/WORLD_SIZE."""
+        self.rank = int(os.environ["RANK"]) if rank is None else int(rank)
+        self.size = int(os.environ["WORLD_SIZE"]) if size is None else int(size)
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.all_local = self.local_size == self.size
@@ -217,6 +219,20 @@ def _span(ranks: list) -> str:
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
+
+
+def launched_by_mpi() -> bool:
+    """True under an MPI launcher (mpiexec, srun with PMI): MPI bootstraps the job."""
+    return detect_kind() == "mpi" and (
+        os.environ.get("MCRDL_BOOTSTRAP", "auto").lower() == "mpi"
+        or any(v in os.environ for v in MPI_LAUNCHER_VARS))
+
+
+def store_prefix() -> str:
+    """The prefix of every key MCR-DL puts in a torch store: scoped by torchelastic's
+    restart count (as torch's agent scopes its own by attempt), so that a restarted
+    worker never reads what the dead attempt wrote (hosts, Gloo's addresses)."""
+    return f"mcrdl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def cluster_info() -> dict | None:

@@ -37,13 +37,15 @@ def _truthy(text: str | None) -> bool:
 
 class Runtime:
     def __init__(self, *, timeout: float | None = None, debug: bool | None = None,
-                 table: TuningTable | str | None = None):
+                 table: TuningTable | str | None = None, bootstrap=None):
+        """``bootstrap``: one made by the caller (the torch frontend's creator makes one
+        on the store torch hands it), else the launcher's (``bootstrap.create``)."""
         self.engine = _engine()
         self.engine.on_timeout = self._timed_out
         _faults.install_exit_guard()
         if timeout is not None:
             self.engine.timeout = float(timeout)
-        self.bootstrap = _bootstrap.create()
+        self.bootstrap = bootstrap if bootstrap is not None else _bootstrap.create()
         self.rank = self.bootstrap.rank
         self.world_size = self.bootstrap.size
         self.engine.rank = self.rank
@@ -291,7 +293,8 @@ _RUNTIME: Runtime | None = None
 
 
 def init(**kwargs) -> Runtime:
-    """Create the process's runtime (idempotent). Keywords: timeout (s), debug, table.
+    """Create the process's runtime (idempotent). Keywords: timeout (s), debug, table,
+    bootstrap.
 
     If creating it timed out waiting for peers (a rank that never starts MCR-DL), the
     process's runtime is broken: this and every later call raise BrokenGroupError at

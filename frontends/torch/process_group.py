@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import mcrdl_core as core
 from mcrdl_core.errors import InvalidArgumentError, McrdlError, UnsupportedError
+from mcrdl_core import bootstrap as _bootstrap
 from mcrdl_core.ops import ReduceOp
 from mcrdl_core.progress import engine as _engine
 from mcrdl_core.selection import parse_override
@@ -460,7 +461,6 @@ def create(dist_opts, backend_options=None) -> McrdlProcessGroup:
     the user's ``pg_options``."""
     timeout = dist_opts.timeout
     secs = seconds(timeout) if isinstance(timeout, datetime.timedelta) else None
-    rt = core.init(timeout=secs)
     ranks = list(dist_opts.global_ranks_in_group or [])
     if not ranks:  # the default group
         if dist_opts.group_size != rt.world_size or dist_opts.group_rank != rt.rank:
@@ -485,3 +485,11 @@ def register() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
                                   devices=["cpu", "cuda"])
+    boot = None
+    if not ranks and not core.is_initialized() and not _bootstrap.launched_by_mpi():
+        # torchrun, RANK/WORLD_SIZE set by hand, mp.spawn with rank=/world_size=: the core
+        # bootstraps on the store torch made (never a second server on MASTER_PORT)
+        store = dist.PrefixStore(_bootstrap.store_prefix(), dist_opts.store)
+        boot = _bootstrap.EnvBootstrap(lambda _: store, dist_opts.group_rank,
+                                       dist_opts.group_size)
+    rt = core.init(timeout=secs, bootstrap=boot)

@@ -17,7 +17,7 @@ needs3 = pytest.mark.skipif(SIZE < 3, reason="needs 3 ranks")
 
 
 @needs3
-@pytest.mark.parametrize("backend", ["mpi"])
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_groups_made_by_members_only_do_not_shift_later_groups(backend):
     ga = mc.new_group([0, 1]) if RANK in (0, 1) else None  # rank 2 does not call it
     gb = mc.new_group([2, 1])  # every rank calls it; group rank 0 is global rank 2
