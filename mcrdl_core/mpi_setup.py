@@ -55,11 +55,23 @@ def _engine():
     return engine()
 
 
-def wait(op: str, reqs, group=None, keep=(), desc: str = "") -> None:
-    """Drive ``reqs`` to completion through the progress loop (``MCRDL_TIMEOUT``)."""
+def wait(op: str, reqs, group=None, keep=(), desc: str = "", cancel: bool = False) -> None:
+    """Drive ``reqs`` to completion through the progress loop (``MCRDL_TIMEOUT``). If
+    that fails (a peer that never came) and ``cancel``, the requests still pending are
+    cancelled, so that none is left behind to meet a later exchange's message."""
     work = RequestsWork(op, reqs, "the set-up communicator" if group is None else group,
                         keep, desc)
-    _engine().wait([work])
+    try:
+        _engine().wait([work])
+    except BaseException:
+        from mpi4py import MPI
+
+        pending = [r for r in (reqs if cancel else ()) if not r.Test()]
+        for r in pending:
+            r.Cancel()
+        if pending:
+            MPI.Request.Testall(pending)  # MPICH completes a cancelled request at once
+        raise
 
 
 def dup(comm, group=None, what: str = "create communicator"):
@@ -116,20 +128,20 @@ def members_ready(comm, ranks, key: str, group=None, what: str = "create communi
     if me == leader:
         got = np.zeros((len(ranks) - 1, _RECORD), np.uint8)
         reqs = [comm.Irecv([got[i], _RECORD, _byte()], r, tag) for i, r in enumerate(ranks[1:])]
-        wait(what, reqs, group, (got,), desc)
+        wait(what, reqs, group, (got,), desc, cancel=True)
         bad = [(r, _text(got[i])) for i, r in enumerate(ranks[1:])
                if not np.array_equal(got[i, :_DIGEST], mine[:_DIGEST])]
         if bad:
             mine[-1] = 0
         reqs = [comm.Isend([mine, _RECORD, _byte()], r, tag) for r in ranks[1:]]
-        wait(what, reqs, group, (mine,), desc)
+        wait(what, reqs, group, (mine,), desc, cancel=True)
         if bad:
             _mismatch(key, bad, me)
     else:
         theirs = np.zeros(_RECORD, np.uint8)
         reqs = [comm.Isend([mine, _RECORD, _byte()], leader, tag),
                 comm.Irecv([theirs, _RECORD, _byte()], leader, tag)]
-        wait(what, reqs, group, (mine, theirs), desc)
+        wait(what, reqs, group, (mine, theirs), desc, cancel=True)
         if not np.array_equal(theirs[:_DIGEST], mine[:_DIGEST]):
             _mismatch(key, [(leader, _text(theirs))], me)
         if theirs[-1] != 1:
