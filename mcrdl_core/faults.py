@@ -14,8 +14,9 @@ timed-out works leave the engine (no later wait polls them or lists them as in f
 but stay referenced here, with their buffers, since a late peer may still write. Helper
 threads of the timed-out works (a Gloo rendezvous, a Gloo send/recv wait: calls that
 can only block, run on a thread while the caller drives the progress loop) get up to
-:data:`GRACE_S` seconds to return. Their libraries time out on their own after the
-same ``MCRDL_TIMEOUT``, so they normally return within milliseconds. A thread still
+:data:`GRACE_S` seconds to return. Their libraries time out on their own 1 s after
+``MCRDL_TIMEOUT`` (Gloo's is set so, that MCR-DL's diagnosis comes first), so they
+normally return about 1 s after the error. A thread still
 inside torch's C++ code when the interpreter finalizes is, on returning, ended by
 CPython with a forced unwind that C++ turns into ``terminate called without an active
 exception`` (SIGABRT), replacing the Python exception's exit status (a Gloo
