@@ -107,8 +107,7 @@ class _Progress:
 
 
 def _run_sweep(rt, args, backends, title, compression=()):
-    sizes = (sorted(set(args.sizes)) if args.sizes
-             else _sweep.sizes_between(args.min_bytes, args.max_bytes))
+    sizes = _sizes(args)
     total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
     bar = _Progress(rt.rank, total, title)
     try:
@@ -143,6 +142,38 @@ def _tune_codecs(text: str | None, device: str, ops) -> tuple:
     return codecs
 
 
+def _measure(args):
+    """``measure(op, size, columns, rounds or None)`` for the tuner: paired rounds of
+    the sweep (``trials_for`` rounds unless given)."""
+    def measure(op, size, cols, rounds):
+        return _sweep.measure_rounds(op, size, cols,
+                                     rounds or _sweep.trials_for(size, args.trials_scale),
+                                     device=args.device)
+    return measure
+
+
+def _read_table(path: str, quiet: bool = False) -> dict | None:
+    """The table dict at ``path``, or None (absent; unreadable, with a warning)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return TuningTable.load(path).data
+    except Exception as exc:  # a bad old file is replaced, and we say so
+        if not quiet:
+            logging.getLogger("mcrdl.tune").warning("replacing unreadable table: %s", exc)
+        return None
+
+
+def _print_load(report: dict, when: str) -> None:
+    if report["warnings"]:
+        print(f"\nWARNING: timings {when} may describe the machine more than the backends:")
+        for w in report["warnings"]:
+            print("  - " + w)
+        print("  The table stays safe: a backend replaces the policy's only where it won with "
+              "confidence, and ranges that lose in the verification go back to the policy "
+              "(docs/tuning.md). Tune again on a quiet machine for the crossovers.")
+
+
 def cmd_tune(args) -> int:
     codecs = _tune_codecs(args.compression, args.device, args.ops)
     if os.environ.pop("MCRDL_COMPRESSION", None):  # else plain columns would be compressed
@@ -152,29 +183,125 @@ def cmd_tune(args) -> int:
     rt = init()
     _use_device(rt, args.device)
     backends = _usable(rt, args.backends, args.device)
+    path = args.output or _tuning.default_path()
+    hosts = len(rt.bootstrap.hosts)
+    watch = _sweep.LoadWatch(rt)
+    before = watch.finish()  # the conditions as the run starts (collective)
+    if rt.rank == 0:
+        _print_load(before, "taken now")
+    in_force = rt.table
+    try:
+        if args.verify:
+            return _verify_only(rt, args, backends, path, hosts)
+        return _tune(rt, args, backends, codecs, path, hosts, _sweep.LoadWatch(rt))
+    finally:
+        rt.set_table(in_force)
+
+
+def _tune(rt, args, backends, codecs, path, hosts, watch) -> int:
     what = f"{len(backends)} backends" + (f" + {'/'.join(codecs)} variants" if codecs else "")
-    res = _run_sweep(rt, args, backends, f"tuning {what} ({args.device})", codecs)
+    bar_step = None
+
+    def on_point(op, size):
+        watch.sample()
+        if bar_step:
+            bar_step(op, size)
+
+    sizes = _sizes(args)
+    total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
+    bar = _Progress(rt.rank, total, f"tuning {what} ({args.device})")
+    bar_step = bar.step
+    try:
+        res = _sweep.sweep_rounds(args.ops, sizes, backends, trials_scale=args.trials_scale,
+                                  on_point=on_point, device=args.device, compression=codecs)
+    finally:
+        bar.close()
+    measure = _measure(args)
+    still = _tuning.remeasure_undecided(rt, res, args.device, measure, margin=args.margin)
+    results = {(op, rt.world_size, hosts, args.device, "float"): pts for op, pts in res.items()}
+    machine = _tuning.fingerprint(rt.bootstrap.hosts)
+
+    def decide():
+        existing = _read_table(path)
+        prior = existing if (args.sizes and existing and not _tuning.machine_differences(
+            existing.get("machine", {}), machine)) else None
+        return _tuning.merge_table(existing, _tuning.build_entries(
+            results, prior, switch_cost=args.switch_cost, margin=args.margin), machine)
+
+    table = _tuning.on_root(rt, decide)
+    if rt.rank == 0:
+        print(f"\nVerifying: auto through the new table against each backend "
+              f"({', '.join(backends)}), side by side")
+    keys = list(results)
+    ver = _tuning.verify(rt, table, keys, backends, measure, margin=args.margin,
+                         sizes={k: sorted(v) for k, v in results.items()} if args.sizes else None,
+                         repairs=0 if args.no_repair else 2)
+    load = watch.finish(_sweep.round_spread(res))
     if rt.rank != 0:
         return 0
-    path = args.output or _tuning.default_path()
-    existing = None
-    if os.path.exists(path):
-        try:
-            existing = TuningTable.load(path).data
-        except Exception as exc:  # a bad old file is replaced, and we say so
-            logging.getLogger("mcrdl.tune").warning("replacing unreadable table: %s", exc)
-    hosts = len(rt.bootstrap.hosts)
-    results = {(op, rt.world_size, hosts, args.device, "float"): pts for op, pts in res.items()}
-    table = _tuning.merge_table(existing, _tuning.build_entries(results),
-                                _tuning.fingerprint(rt.bootstrap.hosts))
+    table = ver["table"]
+    table["machine"]["load"] = load
     _tuning.write_table(table, path)
     print(f"\nCrossover table for {rt.world_size} ranks on {hosts} host(s) "
           "(message size per rank -> backend"
           + ("; compressed: the variants that beat it, fastest first" if codecs else "") + "):")
-    for line in _tuning.crossover_lines(TuningTable(table, path), rt.world_size, hosts):
+    for line in _tuning.crossover_lines(TuningTable(table, path, warn=False), rt.world_size, hosts):
         print("  " + line)
+    if still:
+        print(f"  {len(still)} point(s) stayed undecided after re-measuring and keep the "
+              "current choice: " + ", ".join(f"{op} {_tuning.fmt_bytes(s)}" for op, s in still[:8])
+              + (" ..." if len(still) > 8 else ""))
+    print("Verification (sums over the verified points, each measured side by side):")
+    for line in ver["lines"]:
+        print("  " + line)
+    print("  " + ver["total"])
+    _print_load(load, "of this run")
     print(f"Tuning table written to {path}")
     return 0
+
+
+def _verify_only(rt, args, backends, path, hosts) -> int:
+    """``mcrdl tune --verify``: the verification pass on the table at ``path`` for this
+    job's shape, printed; the file is not rewritten. Exit status 1 if a range loses."""
+    def load():
+        if not os.path.exists(path):
+            raise SystemExit(f"mcrdl tune --verify: no table at {path}")
+        return TuningTable.load(path).data
+
+    table = _tuning.on_root(rt, load)
+    wanted = {_tuning._entry_name(op) for op in args.ops}
+    keys = sorted({("send_recv" if e["op"] in ("send", "recv") else e["op"], e["world_size"],
+                    e.get("hosts", 1), e["device"], e["dtype_class"]) for e in table["entries"]
+                   if e["op"] in wanted | ({"recv"} if "send" in wanted else set())
+                   and e["world_size"] == rt.world_size and e.get("hosts", 1) == hosts
+                   and e["device"] == args.device})
+    if not keys:
+        if rt.rank == 0:
+            print(f"{path} has no entries for {rt.world_size} ranks on {hosts} host(s), "
+                  f"{args.device}, ops {' '.join(args.ops)}: nothing to verify")
+        return 0
+    fallback = _sizes(args)
+    sizes = {k: (e.get("measured", {}).get("sizes") or
+                 ([0] if k[0] == "barrier" else fallback))
+             for k in keys for e in _tuning._entries_of(table, k)[:1]}
+    ver = _tuning.verify(rt, table, keys, backends, _measure(args), sizes=sizes, repairs=0,
+                         margin=args.margin)
+    if rt.rank != 0:
+        return 0
+    print(f"\nVerification of {path} ({rt.world_size} ranks on {hosts} host(s); the file is "
+          "not rewritten):")
+    for line in ver["lines"]:
+        print("  " + line)
+    print("  " + ver["total"])
+    if ver["lost"]:
+        print(f"{ver['lost']} range(s) lose against a single backend: re-tune them "
+              "(mcrdl tune --ops OP --sizes SIZES, docs/tuning.md)")
+    return 1 if ver["lost"] else 0
+
+
+def _sizes(args) -> list[int]:
+    return (sorted(set(args.sizes)) if args.sizes
+            else _sweep.sizes_between(args.min_bytes, args.max_bytes))
 
 
 def cmd_bench(args) -> int:
@@ -340,6 +467,7 @@ def cmd_info(args) -> int:
 
     reason = device_reason()
     print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
+    print(_conditions_now(bs))
     path = _tuning.default_path()
     if rt.table is not None:
         hosts = len(bs.hosts)
@@ -357,6 +485,9 @@ def cmd_info(args) -> int:
         if others:
             print("  also holds " + ", ".join(f"{n} ranks on {h} host(s)" for n, h in others)
                   + " (used by groups of that shape)")
+        for line in rt.table.lost:
+            print(f"  not used (its verification lost; the policy runs there): {line}")
+        print("  " + _load_line(rt.table.data.get("machine", {}).get("load")))
     elif os.path.exists(path):
         print(f"tuning table: {path} exists but is not in force (see the warning above); "
               "selection uses the policy")
@@ -366,10 +497,65 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _load_line(load: dict | None) -> str:
+    """What a table's machine block says of the load it was tuned under."""
+    if not load:
+        return "tuned under: not recorded (a table from before load was recorded)"
+    hosts = "; ".join(f"{h['host']}: {h['ranks']} ranks on {h['cores']} cores, load average "
+                      f"{h['load_before']} before / {h['load_max']} max, other processes "
+                      f"{h['others_cores']} cores, steal {h['steal']}" for h in load["hosts"])
+    head = (f"tuned {load.get('when', '?')} under load (timings may describe the machine; the "
+            "table only switches where confident and verified): " + "; ".join(load["warnings"])
+            if load.get("warnings") else f"tuned {load.get('when', '?')} on a quiet machine")
+    return f"{head} [{hosts}; round spread {load.get('round_spread')}]"
+
+
+def _conditions_now(bs) -> str:
+    """This host now: this job's ranks here against cores, the load average."""
+    cores = os.cpu_count() or 1
+    try:
+        la = os.getloadavg()[0]
+    except OSError:
+        la = None
+    note = ("; more ranks than cores: timings taken now mean little" if bs.local_size > cores
+            else "; busy: timings taken now describe the load"
+            if la is not None and la > max(cores - bs.local_size, 0) + _sweep.LOAD_MARGIN
+            else "")
+    return (f"this host now: {bs.local_size} rank(s) of this job on {cores} cores, load average "
+            f"{'?' if la is None else f'{la:.2f}'}{note}")
+
+
 def _device_count() -> int:
     from .cuda import device_count
 
     return device_count()
+
+
+TUNE_HELP = """\
+Measure every op on every backend and write the tuning table (run under mpiexec).
+
+How the table is decided: each (op, size) is measured in paired rounds (all backends
+back to back per round). A backend replaces the current choice (the policy's, or the
+neighbouring range's) only with evidence: its median paired ratio beats --margin AND it
+wins in enough rounds for a one-sided sign test at 1%; undecided points are measured
+again (twice at most), then keep the current choice. The ranges of an op are one
+optimisation over all sizes (total time plus --switch-cost per crossover), so one-size
+flips survive only if large and confident.
+
+How it is verified: auto through the new table is measured against each backend at
+both sides of every range boundary and inside each range; ranges that lose go back to
+the policy and are verified again. One line per op and the total of auto against the
+best single backend are printed and stored in the table (per entry: figures, time,
+verdicts). A table whose verification lost a range is not used there (policy instead).
+
+Load: ranks beyond cores, a high load average, other processes' CPU use or CPU steal
+during the run, and rounds that disagree are reported, stored in the table's machine
+block and shown by `mcrdl info`.
+
+Re-tune some sizes of some ops into the same file (e.g. after the comm logger's
+"table stale" report):  mpiexec -n 2 mcrdl tune --ops all_reduce --sizes 64K 128K
+(with --sizes, the other sizes of those entries are kept). Details: docs/tuning.md.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -392,8 +578,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="buffers in host memory or on the GPU (CuPy arrays; nccl is "
                             "measured too when it can run)")
         if name == "tune":
+            p.description = TUNE_HELP
+            p.formatter_class = argparse.RawDescriptionHelpFormatter
             p.add_argument("--output", "-o", help="table path (default: MCRDL_TUNING_TABLE or "
                                                   "~/.cache/mcrdl/tuning.json)")
+            p.add_argument("--verify", action="store_true",
+                           help="only verify the table at --output for this job's ranks, hosts "
+                                "and device (auto against each backend at range boundaries "
+                                "and inside ranges); prints the verdicts, rewrites nothing; "
+                                "exit status 1 if a range loses")
+            p.add_argument("--margin", type=float, default=_tuning.MARGIN,
+                           help="relative gain a backend needs to replace the current choice "
+                                f"(median paired ratio <= 1 - MARGIN; {_tuning.MARGIN})")
+            p.add_argument("--switch-cost", type=float, default=_tuning.SWITCH_COST,
+                           help="price of one range boundary, in units of one size's time "
+                                f"({_tuning.SWITCH_COST}): fewer crossovers when larger")
+            p.add_argument("--no-repair", action="store_true",
+                           help="verify, but do not give ranges that lose back to the policy "
+                                "(readers then skip them, with a warning)")
             p.add_argument("--compression", metavar="CODECS",
                            help="also measure these lossy codecs (e.g. fp16,int8): their ring "
                                 "(and a2a for reduce_scatter) over each backend for all_gather, "

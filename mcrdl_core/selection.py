@@ -31,6 +31,27 @@ table written before, or tuned without ``--compression``) means: nothing measure
 compression. Readers that predate the field ignore it. A call uses the field only if it
 allows compression (mcrdl_core/compress/auto.py, docs/compression.md).
 
+Two more optional fields per entry, written by ``mcrdl tune`` (mcrdl_core/tuning.py
+says how a table is decided; docs/tuning.md why)::
+
+    "measured": {"sizes": [4, 8, ...], "rounds": [200, 200, ...],
+                 "median_s": {"mpi": [...], "gloo": [...]}},
+    "verification": {"when": "2025-01-01T12:00:00", "margin": 0.05,
+                     "points": [{"bytes": 4096, "auto": "gloo", "auto_s": 5.1e-05,
+                                 "single_s": {"gloo": 5.0e-05, "mpi": 9.8e-05},
+                                 "rounds": 120, "verdict": "ok", "against": null,
+                                 "ratio": null}, ...]}
+
+``measured``: the sizes the ranges were decided from, the paired rounds per size and each
+backend's median (seconds). ``verification``: auto (through this table; ``auto`` names
+the backend it ran) measured against every single backend side by side at the sizes
+listed; ``verdict`` "lost" means a single backend (``against``; ``ratio``: its median
+paired time over auto's) was faster by the tuner's margin with confidence, "unsure"
+that it may be. A range holding a lost point on the backend it names (other than the
+policy's) is **not used**: lookups there fall back to the policy, with a warning when
+the table is loaded (``range_status``). The machine block may hold ``"load"``: what the
+tuning run saw of other load on its hosts (sweep.py's ``LoadWatch``).
+
 The message size used for lookup is the per-rank payload, the same on every rank so
 that every rank picks the same backend: the buffer for all_reduce, broadcast, reduce,
 send/recv; the input for all_gather, gather and even all_to_all; the output for
@@ -52,6 +73,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -64,17 +86,67 @@ log = logging.getLogger("mcrdl.selection")
 SCHEMA = "mcrdl.tuning/2"
 SCHEMA_V1 = "mcrdl.tuning/1"  # read (entries without "hosts": one host), never written
 POLICY = {"cuda": ("nccl", "mpi", "gloo"), "cpu": ("mpi", "gloo")}
+VERDICTS = ("ok", "lost", "unsure")
+
+
+def fmt_bytes(b) -> str:
+    """4096 -> "4 KiB", 1000 -> "1000 B", None -> "inf" (a range's open end)."""
+    if b is None:
+        return "inf"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift} {unit}"
+    return f"{b} B"
+
+
+def _range_of(bounds: list, nbytes: int) -> int:
+    return bisect.bisect_left(bounds, nbytes)
+
+
+def backend_at(ranges: list, nbytes: int) -> str | None:
+    """The backend an entry's raw ``ranges`` name for ``nbytes`` (None past the last)."""
+    bounds = [m if m is not None else float("inf") for m, _ in ranges]
+    i = _range_of(bounds, nbytes)
+    return ranges[i][1] if i < len(ranges) else None
+
+
+def range_status(ranges: list, points: list, policy: str) -> list[str]:
+    """Per range of an entry, what its verification ``points`` say: "unverified" (no
+    point measured its backend there), "ok", "lost" (a point there found a single
+    backend faster than the range's backend, which is not ``policy``: the range is not
+    used) or "missed" (the same, in a range that is the policy's backend: no worse than
+    the default, but a faster backend exists)."""
+    bounds = [m if m is not None else float("inf") for m, _ in ranges]
+    status = ["unverified"] * len(ranges)
+    for p in points:
+        j = _range_of(bounds, p["bytes"])
+        if j >= len(ranges) or p["auto"] != ranges[j][1]:
+            continue  # a point of an older decision there
+        if p["verdict"] == "lost":
+            status[j] = "lost" if ranges[j][1] != policy else "missed"
+        elif status[j] == "unverified":
+            status[j] = "ok"
+    return status
 
 
 class TuningTable:
     """A validated, indexed tuning table."""
 
-    def __init__(self, data: dict, path: str = "<dict>"):
+    def __init__(self, data: dict, path: str = "<dict>", warn: bool = True):
+        """Validate and index ``data``. ``warn``: log a warning for each range that its
+        verification found slower than a single backend (the policy is used there)."""
         self.path = path
         self.data = data
         self.index: dict = {}
         self.compressed: dict = {}  # key -> (codecs, bounds, [[(backend, codec, algo)]])
+        self.verified: dict = {}  # key -> (bounds, names, [verification points by bytes])
+        self.lost: list[str] = []  # one line per range not used (verification lost)
         self._validate_and_index()
+        if warn and self.lost:
+            log.warning("tuning table %s: its verification found these ranges slower than a "
+                        "single backend; the policy is used there instead: %s. Re-tune them "
+                        "(mcrdl tune --ops OP --sizes SIZES, docs/tuning.md)", path,
+                        "; ".join(self.lost))
 
     def _fail(self, reason: str):
         raise TableError(f"tuning table {self.path}: {reason}; rebuild it with the tuning "
@@ -116,9 +188,89 @@ class TuningTable:
                 self._fail(f"{where}: no ranges")
             key = (e["op"], e["world_size"], hosts, e["device"], e["dtype_class"])
             bounds = [m if m is not None else float("inf") for m in maxes]
-            self.index[key] = (bounds, names)
+            if e.get("measured") is not None:
+                self._measured(e["measured"], where)
+            points = self._verification(e.get("verification"), where)
+            used = list(names)
+            status = range_status(e["ranges"], points, POLICY.get(e["device"], ("",))[0])
+            lo = 0
+            for j, st in enumerate(status):
+                if st == "lost":
+                    used[j] = None
+                    p = next(p for p in points if p["verdict"] == "lost"
+                             and _range_of(bounds, p["bytes"]) == j)
+                    self.lost.append(f"{e['op']} n={e['world_size']} hosts={hosts} "
+                                     f"{e['device']} {fmt_bytes(lo)}–{fmt_bytes(maxes[j])} on "
+                                     f"{names[j]} (slower than {p['against']})")
+                lo = (maxes[j] or 0) + 1
+            self.index[key] = (bounds, used)
+            if points:
+                self.verified[key] = (bounds, names, sorted(points, key=lambda p: p["bytes"]))
             if "compressed" in e:
                 self.compressed[key] = self._compressed(e["compressed"], where)
+
+    def _measured(self, m, where: str) -> None:
+        """Validate an entry's "measured" field (format: module docstring)."""
+        if not isinstance(m, dict) or not isinstance(m.get("sizes"), list) or \
+                not all(isinstance(x, int) for x in m["sizes"]) or \
+                not isinstance(m.get("median_s", {}), dict):
+            self._fail(f"{where}: 'measured' must hold 'sizes' (a list of byte counts) and "
+                       "'median_s'")
+
+    def _verification(self, v, where: str) -> list:
+        """Validate an entry's "verification" field; its points (empty without it)."""
+        if v is None:
+            return []
+        if not isinstance(v, dict) or not isinstance(v.get("points"), list):
+            self._fail(f"{where}: 'verification' must be an object with a 'points' list")
+        for j, p in enumerate(v["points"]):
+            if (not isinstance(p, dict) or not isinstance(p.get("bytes"), int)
+                    or not isinstance(p.get("auto"), str)
+                    or not isinstance(p.get("auto_s"), (int, float))
+                    or not isinstance(p.get("single_s"), dict)
+                    or p.get("verdict") not in VERDICTS):
+                self._fail(f"{where} verification point {j}: expected bytes, auto, auto_s, "
+                           f"single_s and a verdict in {VERDICTS}")
+            if p["verdict"] != "ok" and not isinstance(p.get("against"), str):
+                self._fail(f"{where} verification point {j}: a {p['verdict']!r} verdict "
+                           "names the backend it was against ('against')")
+        return v["points"]
+
+    def verified_figure(self, op: str, world_size: int, device: str, dtype_class: str,
+                        nbytes: int, backend: str, hosts: int = 1):
+        """The verification's figure (seconds) for ``backend`` at a message of ``nbytes``,
+        and the bounds (lo, hi or None) of the range holding it; None when the range has
+        no verified figure for it. Inside the range it is interpolated between the two
+        verified sizes around ``nbytes`` (log-log), or taken from the nearest one when
+        that is at most 2x away."""
+        hit = self.verified.get((op, world_size, hosts, device, dtype_class))
+        if hit is None:
+            other = "int" if dtype_class == "float" else "float"
+            hit = self.verified.get((op, world_size, hosts, device, other))
+        if hit is None:
+            return None
+        bounds, _, points = hit
+        j = _range_of(bounds, nbytes)
+        if j >= len(bounds):
+            return None
+        pts = [(p["bytes"], p["single_s"][backend]) for p in points
+               if _range_of(bounds, p["bytes"]) == j and backend in p["single_s"]]
+        if not pts:
+            return None
+        lo = 0 if j == 0 else bounds[j - 1] + 1
+        rng = (lo, None if bounds[j] == float("inf") else bounds[j])
+        below = [q for q in pts if q[0] <= nbytes]
+        above = [q for q in pts if q[0] >= nbytes]
+        if below and above:
+            (b0, t0), (b1, t1) = below[-1], above[0]
+            if b0 == b1 or b0 <= 0 or t0 <= 0 or t1 <= 0:
+                return t0, rng
+            w = (math.log(max(nbytes, 1)) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0))), rng
+        b, t = (below[-1] if below else above[0])
+        if max(b, 1) * 2 >= max(nbytes, 1) and max(nbytes, 1) * 2 >= max(b, 1):
+            return t, rng
+        return None
 
     def _compressed(self, c, where: str) -> tuple:
         """Validate and index one entry's "compressed" field (format: module docstring)."""

@@ -1,5 +1,6 @@
-"""The straggler view of the comm logger: a collective that compares this rank's median
-latency per logged call with every other rank's.
+"""The straggler view of the comm logger: collectives that compare this rank's median
+latency per logged call with every other rank's (``stragglers``), and that say on which
+ranks the stale-table report flags an entry (``stale_ranks``).
 
 It lives apart from ``logger.py`` because it communicates: the logger is imported by the
 runtime, and a logger that imported the api (which imports the runtime) made an import
@@ -34,3 +35,29 @@ def stragglers(group=None, log: CommLogger | None = None) -> list[dict]:
              "max_s": float(table[:, i].max()),
              "slowest_rank": int(g.ranks[int(table[:, i].argmax())])}
             for i, r in enumerate(rows)]
+
+
+def stale_ranks(group=None, log: CommLogger | None = None, table=None) -> list[dict]:
+    """Collective over ``group`` (world by default): the stale-table report
+    (``CommLogger.stale``) of every member, merged. One row per entry flagged on some
+    rank: the first flagging rank's row, plus ``flagged_on`` (the global ranks that
+    flag it) and ``ratios`` ({rank: its median / verified}). Ranks may have logged different
+    calls; the exchange itself is not logged."""
+    log = log or logger()
+    rt = get_runtime()
+    g = rt.group(group)
+    mine = log.stale(table)
+    was, log.enabled = log.enabled, False
+    try:
+        every = rt.bootstrap.group_allgather(mine, list(g.ranks)) if g.size < rt.world_size \
+            else rt.bootstrap.allgather(mine)
+    finally:
+        log.enabled = was
+    merged: dict = {}
+    for rank, rows in zip(g.ranks, every):
+        for r in rows:
+            key = (r["op"], r["bytes"], r["backend"], r["ranks"])
+            m = merged.setdefault(key, dict(r, flagged_on=[], ratios={}))
+            m["flagged_on"].append(int(rank))
+            m["ratios"][int(rank)] = r["ratio"]
+    return list(merged.values())
