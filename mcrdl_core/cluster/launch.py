@@ -94,7 +94,7 @@ def run_program(cluster, program: list[str], ranks_per_host: int | None = None,
     env = dict(os.environ)
     env.pop("MCRDL_CLUSTER_HOST", None)  # hydra copies mpiexec's environment to the ranks
     env.update(program_env(cluster))
-    # as in the README's `PATH=.venv/bin:$PATH mpiexec ...`: `python` is this environment's
+    # the ranks run this environment's `python`: its folder goes first on PATH
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     argv = cluster.host_argv(SWITCH_NAME, mpiexec_argv(cluster, program, ranks_per_host))
     log.info("running %s", " ".join(argv))

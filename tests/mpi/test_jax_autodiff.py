@@ -263,7 +263,7 @@ def test_hessian_vector_product_matches_single_process(case, backend, mode):
 
 
 def test_forward_mode_is_refused_with_the_documented_error():
-    """jvp/jacfwd are not supported (README): JAX raises this TypeError before anything
+    """jvp/jacfwd are not supported (docs/jax.md): JAX raises this TypeError before anything
     is sent, on every rank."""
     x = x_of(RANK, (N,))
     msg = r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"
