@@ -1,6 +1,8 @@
 """``mcrdl``: the command line of MCR-DL. Run it under the launcher, e.g.
 
-    mpiexec -n 2 mcrdl tune --max-bytes 64M     # measure, write the tuning table
+    mpiexec -n 2 mcrdl tune --max-bytes 64M     # measure, decide, verify, write the table
+    mpiexec -n 2 mcrdl tune --verify            # re-check the table in place (no rewrite)
+    mpiexec -n 2 mcrdl tune --ops all_reduce --sizes 64K 128K   # re-tune just those
     mpiexec -n 2 mcrdl bench --max-bytes 1M     # latency/bandwidth per backend and auto
     mcrdl info                                  # backends, bootstrap, table in force
     mpiexec -n 2 mcrdl tune --device cuda       # CUDA buffers (one GPU per rank for nccl)
@@ -269,7 +271,7 @@ def _verify_only(rt, args, backends, path, hosts) -> int:
         return TuningTable.load(path).data
 
     table = _tuning.on_root(rt, load)
-    wanted = {_tuning._entry_name(op) for op in args.ops}
+    wanted = {_tuning.entry_name(op) for op in args.ops}
     keys = sorted({("send_recv" if e["op"] in ("send", "recv") else e["op"], e["world_size"],
                     e.get("hosts", 1), e["device"], e["dtype_class"]) for e in table["entries"]
                    if e["op"] in wanted | ({"recv"} if "send" in wanted else set())
@@ -283,7 +285,7 @@ def _verify_only(rt, args, backends, path, hosts) -> int:
     fallback = _sizes(args)
     sizes = {k: (e.get("measured", {}).get("sizes") or
                  ([0] if k[0] == "barrier" else fallback))
-             for k in keys for e in _tuning._entries_of(table, k)[:1]}
+             for k in keys for e in _tuning.entries_of(table, k)[:1]}
     ver = _tuning.verify(rt, table, keys, backends, _measure(args), sizes=sizes, repairs=0,
                          margin=args.margin)
     if rt.rank != 0:

@@ -8,12 +8,15 @@ equally often (``round_order``, a Williams design, the same on every rank). Mach
 noise and the previous call's after-effects then fall on all columns alike, and the
 tuner compares columns round by round (tuning.py's ``compare``). The collector is off
 while timing (as in timeit). A call's time is the slowest rank's (max over ranks);
-``measure_rounds`` returns those per round, ``measure_point`` their medians. Buffers are NumPy arrays (float32, or
-int32 for the int class), allocated once per point; with ``device="cuda"`` they are CuPy
-arrays on the current device, and each timed call ends with a synchronize of CuPy's
-current stream (NCCL calls return once enqueued, and the caller's stream is made to wait
-on them), so a call's time includes the GPU's part. Sizes are bytes per rank (the
-selection size, see selection.py).
+``measure_rounds`` returns those per round, ``measure_point`` their medians. Buffers
+are NumPy arrays (float32, or int32 for the int class), allocated once per point; with
+``device="cuda"`` they are CuPy arrays on the current device, and each timed call ends
+with a synchronize of CuPy's current stream (NCCL calls return once enqueued, and the
+caller's stream is made to wait on them), so a call's time includes the GPU's part.
+Sizes are bytes per rank (the selection size, see selection.py).
+
+``LoadWatch`` and ``load_report`` record what else ran on the hosts during a tuning run
+(``mcrdl tune`` stores it in the table's machine block; docs/tuning.md).
 
 Compressed variants (``mcrdl tune --compression``) are more columns of the same point,
 named ``BACKEND+CODEC@ALGORITHM`` (``compressed_columns``): each allowed codec's ring
@@ -432,6 +435,6 @@ def load_warnings(report: dict) -> list[str]:
         if h.get("steal") is not None and h["steal"] > STEAL_WARN:
             warn.append(f"{where}: {h['steal'] * 100:.0f}% of CPU time stolen by the hypervisor")
     if report.get("round_spread", 0) > SPREAD_WARN:
-        warn.append(f"rounds disagree: median interquartile range {report['round_spread'] * 100:.0f}%"
-                    " of the median")
+        warn.append("rounds disagree: median interquartile range "
+                    f"{report['round_spread'] * 100:.0f}% of the median")
     return warn

@@ -192,9 +192,8 @@ def choose_backends(points: list, current: list, switch_cost: float = SWITCH_COS
     than the backend it leaves. Ties prefer no switch, then the current choice."""
     if not points:
         return []
-    order = {b: i for i, b in enumerate(dict.fromkeys(
-        [c for c in current] + sorted({b for _, f in points if isinstance(f, dict) for b in f}
-                                      | {f for _, f in points if isinstance(f, str)})))}
+    names = {b for _, f in points for b in ([f] if isinstance(f, str) else f)}
+    order = {b: i for i, b in enumerate(dict.fromkeys(list(current) + sorted(names)))}
     best = {current[0]: (0.0, 0)}  # backend -> (cost, switches)
     back: list[dict] = []
     for i, (_, figs) in enumerate(points):
@@ -291,10 +290,11 @@ def compressed_ranges(figures: dict, margin: float = COMPRESS_MARGIN) -> dict | 
 
 def decide_entry(figures: dict, device: str, existing: dict | None = None,
                  switch_cost: float = SWITCH_COST, margin: float = MARGIN) -> dict:
-    """One key's ``ranges`` and ``measured`` fields from {size: {column: rounds or
-    seconds}}. With ``existing`` (an entry of the same key, re-tuned at some sizes),
-    its other measured sizes are kept as fixed points and its choices are the current
-    ones; else the current choice is the policy's everywhere."""
+    """One key's ``ranges`` and ``measured`` fields (a dict of both) from {size:
+    {column: rounds or seconds}}. With ``existing`` (an entry of the same key, re-tuned
+    at some sizes), its other measured sizes are kept as fixed points (with their old
+    figures) and its choices are the current ones; else the current choice is the
+    policy's everywhere."""
     sizes = sorted(figures)
     plain = {s: _plain(figures[s]) for s in sizes}
     cols = set.intersection(*(set(p) for p in plain.values()))
@@ -317,13 +317,26 @@ def decide_entry(figures: dict, device: str, existing: dict | None = None,
 
     current = [cur_at(s, f) for s, f in points]
     choice = choose_backends(points, current, switch_cost, margin)
+    old = (existing or {}).get("measured") or {}
+    at = {s: i for i, s in enumerate(old.get("sizes", []))}
+
+    def old_figure(field, size, b=None):
+        seq = old.get(field, []) if b is None else old.get("median_s", {}).get(b, [])
+        i = at.get(size)
+        return seq[i] if i is not None and i < len(seq) else None
+
+    def rounds_of(size, f):
+        if isinstance(f, str):
+            return old_figure("rounds", size) or 0
+        v = next(iter(f.values()))
+        return 0 if is_exact(v) else len(_rounds(v))
+
     measured = {"sizes": [s for s, _ in points],
-                "rounds": [0 if isinstance(f, str) or is_exact(next(iter(f.values())))
-                           else len(_rounds(next(iter(f.values())))) for s, f in points],
-                "median_s": {b: [_median(f[b]) if isinstance(f, dict) else None
-                                 for _, f in points] for b in sorted(cols)}}
+                "rounds": [rounds_of(s, f) for s, f in points],
+                "median_s": {b: [_median(f[b]) if isinstance(f, dict) else old_figure(None, s, b)
+                                 for s, f in points] for b in sorted(cols)}}
     return {"ranges": merge_ranges(list(zip([s for s, _ in points], choice))),
-            "measured": measured, "policy": policy}
+            "measured": measured}
 
 
 def build_entries(results: dict, existing: dict | None = None,
@@ -595,11 +608,13 @@ def remeasure_undecided(rt, results: dict, device: str, measure,
     return on_root(rt, todo)
 
 
-def _entry_name(op: str) -> str:
+def entry_name(op: str) -> str:
+    """The table's op name of a sweep op (send_recv is written as send and recv)."""
     return "send" if op == "send_recv" else op
 
 
-def _entries_of(table: dict, key: tuple) -> list[dict]:
+def entries_of(table: dict, key: tuple) -> list[dict]:
+    """The entries of ``table`` for a sweep key (two for send_recv: send, recv)."""
     op, world, hosts, device, dclass = key
     names = ("send", "recv") if op == "send_recv" else (op,)
     return [e for e in table["entries"]
@@ -620,12 +635,10 @@ def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict 
     Returns (the same on every rank) {"table": the table with each verified entry's
     ``"verification"`` block, "lines": one per key (``verification_line``), "total":
     ``total_line``, "lost": lost points left, "repaired": ranges given back}."""
-    from .selection import TuningTable as _Table
-
     state = {"table": json.loads(json.dumps(table)), "points": {k: {} for k in keys},
              "notes": {k: [] for k in keys}}
     for e_key in keys:  # a re-tuned entry keeps the old points that still hold
-        for e in _entries_of(state["table"], e_key)[:1]:
+        for e in entries_of(state["table"], e_key)[:1]:
             for p in (e.get("verification") or {}).get("points", []):
                 state["points"][e_key][p["bytes"]] = p
 
@@ -635,7 +648,7 @@ def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict 
     def plan():
         out = []
         for key in keys:
-            es = _entries_of(state["table"], key)
+            es = entries_of(state["table"], key)
             if not es:
                 continue
             e = es[0]
@@ -648,7 +661,7 @@ def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict 
 
     cols = ["auto"] + list(backends)
     for attempt in range(repairs + 1):
-        rt.set_table(_Table(state["table"], "<table being verified>", warn=False))
+        rt.set_table(TuningTable(state["table"], "<table being verified>", warn=False))
         todo = [(keys[i], s, b) for i, s, b in on_root(rt, plan)]
         if not todo:
             break
@@ -669,7 +682,7 @@ def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict 
                 state["points"][key][s] = verify_point(s, b, figs[(key, s)], margin)
             if attempt < repairs:
                 for key in keys:
-                    es = _entries_of(state["table"], key)
+                    es = entries_of(state["table"], key)
                     if not es:
                         continue
                     ranges, notes = repair(es[0]["ranges"], list(state["points"][key].values()),
@@ -690,7 +703,7 @@ def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict 
         when = time.strftime("%Y-%m-%dT%H:%M:%S")
         lines, blocks, lost, repaired = [], [], 0, 0
         for key in keys:
-            es = _entries_of(state["table"], key)
+            es = entries_of(state["table"], key)
             if not es:
                 continue
             pts = sorted((p for p in state["points"][key].values()

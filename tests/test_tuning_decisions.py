@@ -248,7 +248,8 @@ def test_verified_figure_interpolates_inside_a_range():
     assert t.verified_figure("all_reduce", 2, "cpu", "float", 16384, "gloo")[0] == \
         pytest.approx(400 * US, rel=0.05)  # nearest, 2x away
     assert t.verified_figure("all_reduce", 2, "cpu", "float", 1 << 20, "gloo") is None
-    assert t.verified_figure("all_reduce", 2, "cpu", "float", 512, "gloo") is None  # unverified range
+    # a range without verified figures: nothing to compare with
+    assert t.verified_figure("all_reduce", 2, "cpu", "float", 512, "gloo") is None
 
 
 class FakeBootstrap:
@@ -305,7 +306,8 @@ def test_verify_repairs_a_losing_range_and_records_the_block():
 
 
 def test_verify_only_reports_and_a_good_table_passes():
-    truth = lambda op, s, b: (20 if b == "mpi" else 60) if s < 1024 else (90 if b == "mpi" else 30)  # noqa: E731
+    def truth(op, s, b):
+        return (20 if b == "mpi" else 60) if s < 1024 else (90 if b == "mpi" else 30)
     e = tuning.build_entries({KEY: figures(lambda s: 1.5 if s < 1024 else 0.6)})[0]
     table = tuning.merge_table(None, [e], tuning.fingerprint())
     out = tuning.verify(RT, table, [KEY], ["mpi", "gloo"], fake_measure(truth, []), repairs=0)
