@@ -287,7 +287,7 @@ def _verify_only(rt, args, backends, path, hosts) -> int:
                  ([0] if k[0] == "barrier" else fallback))
              for k in keys for e in _tuning.entries_of(table, k)[:1]}
     ver = _tuning.verify(rt, table, keys, backends, _measure(args), sizes=sizes, repairs=0,
-                         margin=args.margin)
+                         margin=args.margin, reuse=False)
     if rt.rank != 0:
         return 1 if ver["lost"] else 0
     print(f"\nVerification of {path} ({rt.world_size} ranks on {hosts} host(s); the file is "

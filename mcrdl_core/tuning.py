@@ -623,13 +623,16 @@ def entries_of(table: dict, key: tuple) -> list[dict]:
 
 
 def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict | None = None,
-           repairs: int = 2, margin: float = MARGIN, inside: int = VERIFY_INSIDE) -> dict:
+           repairs: int = 2, margin: float = MARGIN, inside: int = VERIFY_INSIDE,
+           reuse: bool = True) -> dict:
     """The verification pass (every rank calls it): for each key ``(op, world_size,
     hosts, device, dtype_class)`` (op as the sweep names it: ``send_recv``) measure
     ``auto`` through ``table`` against each of ``backends`` at ``verification_sizes``
     (of ``sizes[key]``, default the entry's measured sizes), "unsure" points once more,
     then, while ``repairs`` last, give lost ranges back to the policy (``repair``) and
-    verify what changed. ``measure(op, size, columns, rounds or None)``. The runtime's
+    verify what changed. ``measure(op, size, columns, rounds or None)``. ``reuse``:
+    keep an entry's stored points that still hold (a re-tune of some sizes) instead of
+    measuring every point afresh (``mcrdl tune --verify``). The runtime's
     table is left set to the last one verified (the caller restores its own).
 
     Returns (the same on every rank) {"table": the table with each verified entry's
@@ -637,7 +640,7 @@ def verify(rt, table: dict, keys: list, backends: list, measure, *, sizes: dict 
     ``total_line``, "lost": lost points left, "repaired": ranges given back}."""
     state = {"table": json.loads(json.dumps(table)), "points": {k: {} for k in keys},
              "notes": {k: [] for k in keys}}
-    for e_key in keys:  # a re-tuned entry keeps the old points that still hold
+    for e_key in keys if reuse else ():  # a re-tuned entry keeps old points that hold
         for e in entries_of(state["table"], e_key)[:1]:
             for p in (e.get("verification") or {}).get("points", []):
                 state["points"][e_key][p["bytes"]] = p

@@ -310,10 +310,18 @@ def test_verify_only_reports_and_a_good_table_passes():
         return (20 if b == "mpi" else 60) if s < 1024 else (90 if b == "mpi" else 30)
     e = tuning.build_entries({KEY: figures(lambda s: 1.5 if s < 1024 else 0.6)})[0]
     table = tuning.merge_table(None, [e], tuning.fingerprint())
-    out = tuning.verify(RT, table, [KEY], ["mpi", "gloo"], fake_measure(truth, []), repairs=0)
+    log = []
+    out = tuning.verify(RT, table, [KEY], ["mpi", "gloo"], fake_measure(truth, log), repairs=0)
     assert out["lost"] == 0 and out["repaired"] == 0
     assert out["table"]["entries"][0]["ranges"] == e["ranges"]
     assert out["lines"][0].rstrip().endswith("ok")
+    # checking again: every point measured afresh, stored ones ignored
+    n = len(log)
+    tuning.verify(RT, out["table"], [KEY], ["mpi", "gloo"], fake_measure(truth, log),
+                  repairs=0, reuse=False)
+    assert len(log) == 2 * n
+    tuning.verify(RT, out["table"], [KEY], ["mpi", "gloo"], fake_measure(truth, log), repairs=0)
+    assert len(log) == 2 * n  # a re-tune reuses the points that still hold
 
 
 def test_remeasure_is_bounded_and_appends_rounds():
