@@ -99,6 +99,16 @@ def fmt_bytes(b) -> str:
     return f"{b} B"
 
 
+def _either_class(index: dict, op, world_size, hosts, device, dtype_class):
+    """``index``'s value for the key, else for the same key of the other dtype class (a
+    table tuned for one class serves the other where it has no entry of its own)."""
+    hit = index.get((op, world_size, hosts, device, dtype_class))
+    if hit is None:
+        other = "int" if dtype_class == "float" else "float"
+        hit = index.get((op, world_size, hosts, device, other))
+    return hit
+
+
 def _range_of(bounds: list, nbytes: int) -> int:
     return bisect.bisect_left(bounds, nbytes)
 
@@ -243,10 +253,7 @@ class TuningTable:
         no verified figure for it. Inside the range it is interpolated between the two
         verified sizes around ``nbytes`` (log-log), or taken from the nearest one when
         that is at most 2x away."""
-        hit = self.verified.get((op, world_size, hosts, device, dtype_class))
-        if hit is None:
-            other = "int" if dtype_class == "float" else "float"
-            hit = self.verified.get((op, world_size, hosts, device, other))
+        hit = _either_class(self.verified, op, world_size, hosts, device, dtype_class)
         if hit is None:
             return None
         bounds, _, points = hit
@@ -321,10 +328,7 @@ class TuningTable:
         ``nbytes=None`` takes the largest range. A table tuned for one dtype class serves
         the other when it has no entry of its own (moving bytes costs the same; barrier
         is keyed "int")."""
-        hit = self.index.get((op, world_size, hosts, device, dtype_class))
-        if hit is None:
-            other = "int" if dtype_class == "float" else "float"
-            hit = self.index.get((op, world_size, hosts, device, other))
+        hit = _either_class(self.index, op, world_size, hosts, device, dtype_class)
         if hit is None:
             return None
         bounds, names = hit

@@ -442,3 +442,21 @@ def test_round_spread_and_order():
         if k > 1:
             pairs = [(r[i], r[i + 1]) for r in order for i in range(k - 1)]
             assert len({pairs.count((a, b)) for a in range(k) for b in range(k) if a != b}) == 1
+
+
+def test_summary_uses_the_runtime_table(monkeypatch):
+    """Without a table argument, the report reads the runtime's table in force and the
+    topology (hosts of a group) from its bootstrap."""
+    import mcrdl_core.runtime as runtime
+
+    t = stale_table()
+    rt = SimpleNamespace(table=t, world_size=2,
+                         bootstrap=SimpleNamespace(hosts=["vm"], hosts_in=lambda r: 1))
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "get_runtime", lambda: rt)
+    lg = CommLogger()
+    for _ in range(25):
+        lg.record("all_reduce", 4096, "gloo", 2, 900 * US)
+    assert "table stale" in lg.summary(print_fn=None)
+    rt.table = None
+    assert lg.stale() == []
