@@ -202,17 +202,14 @@ def cmd_tune(args) -> int:
 
 def _tune(rt, args, backends, codecs, path, hosts, watch) -> int:
     what = f"{len(backends)} backends" + (f" + {'/'.join(codecs)} variants" if codecs else "")
-    bar_step = None
-
-    def on_point(op, size):
-        watch.sample()
-        if bar_step:
-            bar_step(op, size)
-
     sizes = _sizes(args)
     total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
     bar = _Progress(rt.rank, total, f"tuning {what} ({args.device})")
-    bar_step = bar.step
+
+    def on_point(op, size):
+        watch.sample()
+        bar.step(op, size)
+
     try:
         res = _sweep.sweep_rounds(args.ops, sizes, backends, trials_scale=args.trials_scale,
                                   on_point=on_point, device=args.device, compression=codecs)
