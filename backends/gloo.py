@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mcrdl_core import bootstrap as _bootstrap
+from mcrdl_core import config as _config
 from mcrdl_core import cuda as _cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.backend import Backend
@@ -105,7 +106,7 @@ def env_store(bootstrap):
     store when torchrun hosts one, else hosted by rank 0. Used by the env bootstrap."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    timeout = float(os.environ.get("MCRDL_TIMEOUT", 300))
+    timeout = _config.get("MCRDL_TIMEOUT")
     store = dist.TCPStore(host, port, bootstrap.size, is_master=bootstrap.rank == 0 and not agent,
                           timeout=_timeout(timeout), wait_for_workers=False)
     return dist.PrefixStore(_bootstrap.store_prefix(), store)

@@ -31,7 +31,8 @@ import pickle
 import socket
 import zlib
 
-from .errors import BackendUnavailableError, InvalidArgumentError
+from . import config as _config
+from .errors import BackendUnavailableError
 
 MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
                      "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -39,11 +40,9 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def detect_kind() -> str:
-    forced = os.environ.get("MCRDL_BOOTSTRAP", "auto").lower()
+    forced = _config.get("MCRDL_BOOTSTRAP")
     if forced in ("mpi", "env"):
         return forced
-    if forced != "auto":
-        raise InvalidArgumentError(f"MCRDL_BOOTSTRAP={forced!r}; use 'mpi', 'env' or 'auto'")
     if any(v in os.environ for v in MPI_LAUNCHER_VARS):
         return "mpi"
     if all(v in os.environ for v in TORCHRUN_VARS):
@@ -224,7 +223,7 @@ def _span(ranks: list) -> str:
 def launched_by_mpi() -> bool:
     """True under an MPI launcher (mpiexec, srun with PMI): MPI bootstraps the job."""
     return detect_kind() == "mpi" and (
-        os.environ.get("MCRDL_BOOTSTRAP", "auto").lower() == "mpi"
+        _config.get("MCRDL_BOOTSTRAP") == "mpi"
         or any(v in os.environ for v in MPI_LAUNCHER_VARS))
 
 
@@ -238,10 +237,10 @@ def store_prefix() -> str:
 def cluster_info() -> dict | None:
     """What an emulated cluster's environment says (``mcrdl cluster``), else None:
     {"name", "host", "hosts", "ranks_per_host", "rate", "delay", "machine"}."""
-    name = os.environ.get("MCRDL_CLUSTER")
+    name = _config.get("MCRDL_CLUSTER")
     if not name:
         return None
-    get = lambda k: os.environ.get(f"MCRDL_CLUSTER_{k.upper()}")  # noqa: E731
+    get = lambda k: _config.get(f"MCRDL_CLUSTER_{k.upper()}")  # noqa: E731
     return {"name": name, "host": get("host"), "hosts": (get("hosts") or "").split(","),
             "ranks_per_host": get("ranks_per_host"), "rate": get("rate"),
             "delay": get("delay"), "machine": get("machine")}

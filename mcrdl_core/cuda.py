@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 
+from . import config as _config
 from .buffer import Buffer
 from .errors import BackendUnavailableError
 from .ops import Op
@@ -392,10 +392,5 @@ def cuda_dispatch(op):
 
 
 def env_flag(name: str) -> bool | None:
-    """True/False from an environment variable set to 1/0 (yes/no...), None if unset."""
-    text = os.environ.get(name, "").strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    return None
+    """A declared bool variable (``mcrdl_core.config``): True/False, None if unset."""
+    return _config.flag(name)

@@ -45,12 +45,13 @@ import sys
 import threading
 import time
 
+from . import config as _config
 from .errors import CommFailedError, McrdlError
 
 log = logging.getLogger("mcrdl.faults")
 
 #: seconds a helper thread of a timed-out work gets to return (at the fault, then at exit)
-GRACE_S = float(os.environ.get("MCRDL_FAULT_GRACE_S", 5.0))
+GRACE_S = _config.get("MCRDL_FAULT_GRACE_S")
 
 #: the fault that broke the process's runtime (a bootstrap exchange timed out), or None
 runtime_fault: BaseException | None = None
@@ -148,7 +149,7 @@ def _mpi_initialized() -> bool:
 
 
 def _at_exit() -> None:
-    if not _faults or os.environ.get("MCRDL_EXIT_GUARD", "1") == "0":
+    if not _faults or not _config.get("MCRDL_EXIT_GUARD"):
         return
     alive = _join([t for t in _stuck_threads if t.is_alive()], GRACE_S)
     mpi = _mpi_initialized()

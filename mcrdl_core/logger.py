@@ -23,11 +23,12 @@ rank, to say on which ranks an entry is off.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 from collections import defaultdict
+
+from . import config as _config
 
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -78,7 +79,7 @@ def _runtime_view():
 
 class CommLogger:
     def __init__(self):
-        self.enabled = os.environ.get("MCRDL_COMM_LOG", "").lower() in ("1", "true", "yes")
+        self.enabled = _config.get("MCRDL_COMM_LOG")
         self.records: list[tuple] = []  # (op, nbytes, backend, nranks, seconds)
 
     def enable(self) -> None:

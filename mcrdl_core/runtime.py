@@ -15,9 +15,9 @@ status: helper threads still inside a library get a bounded grace to return, and
 from __future__ import annotations
 
 import logging
-import os
 
 from . import bootstrap as _bootstrap
+from . import config as _config
 from . import faults as _faults
 from .backend import backend_class
 from .dtypes import dtype_class
@@ -29,10 +29,6 @@ from .progress import engine as _engine
 from .selection import POLICY, TuningTable, parse_override, table_from_env
 
 log = logging.getLogger("mcrdl.runtime")
-
-
-def _truthy(text: str | None) -> bool:
-    return (text or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Runtime:
@@ -50,8 +46,8 @@ class Runtime:
         self.world_size = self.bootstrap.size
         self.engine.rank = self.rank
         self.engine.configure(getattr(self.bootstrap, "local_size", 1))
-        self.debug = _truthy(os.environ.get("MCRDL_DEBUG")) if debug is None else debug
-        self.override = parse_override(os.environ.get("MCRDL_BACKEND"))
+        self.debug = _config.get("MCRDL_DEBUG") if debug is None else debug
+        self.override = parse_override(_config.get("MCRDL_BACKEND"))
         if isinstance(table, str):
             table = TuningTable.load(table)
         self.table = table if table is not None else table_from_env()

@@ -79,6 +79,7 @@ import platform
 import socket
 from importlib import metadata
 
+from . import config as _config
 from .errors import TableError
 
 log = logging.getLogger("mcrdl.selection")
@@ -375,7 +376,7 @@ def table_from_env() -> TuningTable | None:
     location if a file is there (``default_path``). A malformed file, or one
     measured on another machine, is warned about (naming the file) and not used: the
     run continues on the policy. ``MCRDL_TUNING_TABLE=none`` disables tables."""
-    explicit = os.environ.get("MCRDL_TUNING_TABLE")
+    explicit = _config.get("MCRDL_TUNING_TABLE")
     if explicit and explicit.lower() == "none":
         return None
     path = default_path()
@@ -398,8 +399,8 @@ def table_from_env() -> TuningTable | None:
 # --- where a table belongs ----------------------------------------------------------------
 def default_path() -> str:
     """$MCRDL_TUNING_TABLE, else $XDG_CACHE_HOME/mcrdl/tuning.json (~/.cache/...)."""
-    if os.environ.get("MCRDL_TUNING_TABLE"):
-        return os.environ["MCRDL_TUNING_TABLE"]
+    if _config.get("MCRDL_TUNING_TABLE"):
+        return _config.get("MCRDL_TUNING_TABLE")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mcrdl", "tuning.json")
 
@@ -407,7 +408,7 @@ def default_path() -> str:
 def machine_name() -> str:
     """This machine's name: the host name, except on an emulated cluster, whose hosts
     are all the one real machine (``MCRDL_CLUSTER_MACHINE``, set by ``mcrdl cluster``)."""
-    return os.environ.get("MCRDL_CLUSTER_MACHINE") or socket.gethostname()
+    return _config.get("MCRDL_CLUSTER_MACHINE") or socket.gethostname()
 
 
 def _cpu_model() -> str:

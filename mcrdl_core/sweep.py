@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from . import config as _config
 from . import api
 from .runtime import get_runtime
 
@@ -127,7 +128,7 @@ def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=Non
         kw["compression"] = compression
         if op == "all_reduce":
             return lambda: api.all_reduce(x, "avg", **kw)
-    elif op in COMPRESSED_ALGORITHMS and os.environ.get("MCRDL_COMPRESSION"):
+    elif op in COMPRESSED_ALGORITHMS and _config.get("MCRDL_COMPRESSION"):
         kw["compression"] = "off"  # a plain column is the backend's own collective
     root = g.ranks[0]
     if op == "all_reduce":

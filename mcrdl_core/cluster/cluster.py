@@ -27,13 +27,14 @@ import subprocess
 import threading
 import time
 
+from .. import config as _config
 from . import system as _sys
 from .errors import ClusterError, ClusterSpecError
 from .spec import HOST_IFACE, NETWORK, SWITCH_NAME, ClusterSpec
 
 log = logging.getLogger("mcrdl.cluster")
 
-STATE_ROOT = os.environ.get("MCRDL_CLUSTER_STATE", "/run/mcrdl/cluster")
+STATE_ROOT = _config.get("MCRDL_CLUSTER_STATE")
 BRIDGE = "br0"
 
 
@@ -45,7 +46,7 @@ class Cluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.state_dir = os.path.join(STATE_ROOT, spec.name)
-        self.machine = os.environ.get("MCRDL_CLUSTER_MACHINE") or socket.gethostname()
+        self.machine = _config.get("MCRDL_CLUSTER_MACHINE") or socket.gethostname()
         self._built = False
         self._old_handlers: dict = {}
 

@@ -24,12 +24,12 @@ set: lossy compression is never used unless allowed here or by the keyword.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import dtypes as _dt
+from .. import config as _config
 from ..errors import DtypeError, InvalidArgumentError, UnsupportedError
 from ..ops import Op, ReduceOp
 from ..fastpath import env_key, env_value
@@ -75,7 +75,7 @@ def parse(spec):
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"compression must be a string such as 'int8' or "
                                    f"'fp16@a2a', or a Compression, got {type(spec).__name__}")
-    return _parse_text(spec, os.environ.get("MCRDL_COMPRESSION_CHUNKS"))
+    return _parse_text(spec, _config.get("MCRDL_COMPRESSION_CHUNKS"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -105,13 +105,7 @@ def _parse_text(spec: str, _chunks_env):
 
 
 def _env_chunks() -> int | None:
-    raw = os.environ.get("MCRDL_COMPRESSION_CHUNKS")
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidArgumentError(f"MCRDL_COMPRESSION_CHUNKS={raw!r} must be an integer") from None
+    return _config.get("MCRDL_COMPRESSION_CHUNKS")
 
 
 @functools.lru_cache(maxsize=8)
@@ -133,7 +127,7 @@ def _env_table(raw: str) -> dict:
 
 def env_default(op: Op) -> Compression | None:
     """The process default for ``op`` from MCRDL_COMPRESSION (None when unset)."""
-    raw = os.environ.get("MCRDL_COMPRESSION")
+    raw = _config.get("MCRDL_COMPRESSION")
     if not raw:
         return None
     table = _env_table(raw)

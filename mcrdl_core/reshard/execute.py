@@ -38,12 +38,12 @@ boxes are packed into and unpacked from a contiguous copy.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import numpy as np
 
 from .. import api as _api
+from .. import config as _config
 from .. import tags as _tags
 from ..buffer import as_buffer
 from ..errors import InvalidArgumentError
@@ -216,7 +216,7 @@ def run(plan: Plan, rank: int, src_arr, out_arr, backend: str | None, chain: boo
     sub-communicators and the all-gathers run in round order as they come, the other
     work progressing meanwhile. ``False``: every transfer is waited for before the
     next one (rounds one after the other on each rank)."""
-    segment = segment or os.environ.get("MCRDL_RESHARD_SEGMENT")
+    segment = segment or _config.get("MCRDL_RESHARD_SEGMENT")
     if segment is not None and int(segment) < 1:
         raise InvalidArgumentError(f"segment={segment}: chain segments need >= 1 byte")
     register_groups(plan, chain, backend)

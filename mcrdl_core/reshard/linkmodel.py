@@ -20,9 +20,9 @@ Bytes on the links, per method, for one transfer of ``n`` bytes from a sender on
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 
+from .. import config as _config
 from ..errors import InvalidArgumentError
 
 METHODS = ("broadcast", "send_recv", "send_recv_allgather")
@@ -68,7 +68,7 @@ class LinkModel:
     @classmethod
     def from_env(cls) -> "LinkModel":
         """``MCRDL_RESHARD_LINK`` (a JSON file written by bench/resharding.py) or defaults."""
-        path = os.environ.get("MCRDL_RESHARD_LINK")
+        path = _config.get("MCRDL_RESHARD_LINK")
         return cls.load(path) if path else cls()
 
     def to_dict(self) -> dict:
