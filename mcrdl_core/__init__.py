@@ -10,14 +10,16 @@ from .api import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, al
                   reduce_scatter_tensor, scatter, send)
 from .backend import Backend, register_backend
 from .buffer import CPU, Buffer, Device, as_buffer
-from .errors import (BackendUnavailableError, CommTimeoutError, DtypeError, InvalidArgumentError,
-                     McrdlError, MismatchError, NotInitializedError, TableError, UnsupportedError)
+from .errors import (BackendUnavailableError, BrokenGroupError, CommFailedError, CommTimeoutError,
+                     DtypeError, InvalidArgumentError, McrdlError, MismatchError,
+                     NotInitializedError, TableError, UnsupportedError)
 from .group import Group
 from .ops import Op, ReduceOp
 from .reshard.api import plan_reshard, reshard
 from .runtime import Runtime, destroy, get_runtime, init, is_initialized
 from .selection import TuningTable
-from .stragglers import stragglers
+from .p2p import P2POp, batch_isend_irecv
+from .stragglers import stale_ranks, stragglers
 from .work import CompletedWork, Work
 
 __version__ = "0.1.0"

@@ -58,3 +58,12 @@ def test_unset_and_empty_give_the_default(monkeypatch):
     assert config.get("MCRDL_TIMEOUT") == 300.0
     with pytest.raises(KeyError):
         config.get("MCRDL_NOT_A_VARIABLE")
+
+
+def test_public_names_the_docs_tell_users_to_use():
+    """The README and docs tell users to catch these and call these."""
+    import mcrdl_core
+
+    for name in ("BrokenGroupError", "CommFailedError", "CommTimeoutError", "MismatchError",
+                 "P2POp", "batch_isend_irecv", "stragglers", "stale_ranks"):
+        assert hasattr(mcrdl_core, name), name
