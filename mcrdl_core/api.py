@@ -342,7 +342,12 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
 
 def barrier(group=None, async_op: bool = False, backend=None):
     """Selected with a host probe buffer, or a CUDA one when the backend named for the
-    call handles CUDA buffers only (nccl): see ``cuda.barrier_probe``."""
+    call handles CUDA buffers only (nccl): see ``cuda.barrier_probe``.
+
+    It completes only after the group's collectives issued before it (as Gloo's barrier
+    does; an async all-reduce's result is in place once a barrier returns), on whatever
+    backend they run. Point-to-point work is not waited, as in Gloo: a receive posted
+    before a barrier and matched after it must not deadlock."""
     from .cuda import barrier_probe
 
     rt = get_runtime()
@@ -350,4 +355,26 @@ def barrier(group=None, async_op: bool = False, backend=None):
     rt, g, be, _ = _prepare(Op.BARRIER, group, probe, backend)
     if rt.debug:
         _debug.check(rt, g, Op.BARRIER, be, probe)
-    return rt.finish(be.barrier(g), [], async_op, 0)
+    prior = [w for w in rt.engine.inflight if w.group is g and w.op not in _P2P]
+    return rt.finish(_after(be.barrier(g), prior), [], async_op, 0)
+
+
+_P2P = (Op.SEND, Op.RECV)
+
+
+def _after(work, prior):
+    """``work``, completing only once every work in ``prior`` is complete as well (a
+    chain of stages; a failed one fails the whole, with its error)."""
+    if not prior:
+        return work
+    from .work import ChainWork
+
+    rest = list(prior)
+
+    def then():
+        while rest:
+            w = rest.pop()
+            if not w._done or w._error is not None:
+                return ChainWork(w, then)
+        return None
+    return ChainWork(work, then)

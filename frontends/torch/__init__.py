@@ -9,7 +9,11 @@ ranks; collectives are in place; ``async_op=True`` returns a Work with ``wait()`
 - ``init_process_group`` is optional: the first call initializes from the launcher
   (mpiexec or torchrun); ``init_method``/``store`` are not needed and are ignored.
 - ``new_group(ranks, backend=...)`` sets the default backend for calls on the group;
-  ``init_process_group(backend=...)`` does the same for the world.
+  ``init_process_group(backend=...)`` does the same for the world. The group keeps the
+  ranks in the order given (group rank i is ``ranks[i]``, torch's ``sort_ranks=False``)
+  unless ``sort_ranks=True``; torch sorts them by default.
+- ``barrier()`` completes after the group's earlier collectives (not its pending
+  point-to-point work), as torch's Gloo barrier does.
 - non-contiguous *input* tensors are copied to contiguous ones instead of refused;
   outputs must be contiguous, as in torch.
 - ``gather_list``/``scatter_list`` on non-root ranks are ignored instead of refused.
@@ -72,8 +76,12 @@ def get_group_rank(group, global_rank: int) -> int:
 
 
 def new_group(ranks=None, timeout=None, backend: str | None = None, pg_options=None,
-              **_ignored) -> Group:
-    """Collective over the world, like torch's: every rank calls it with the same ranks."""
+              sort_ranks: bool = False, **_ignored) -> Group:
+    """Collective over the world, like torch's: every rank calls it with the same ranks.
+    Group rank i is ``ranks[i]`` (torch's ``sort_ranks=False``); ``sort_ranks=True``
+    sorts them first, as torch does by default."""
+    if ranks is not None and sort_ranks:
+        ranks = sorted(ranks)
     return _core.new_group(ranks, backend=None if backend in (None, "auto") else backend)
 
 

@@ -7,6 +7,8 @@ straight from the tensor, which skips allocating and parsing a capsule on every 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mcrdl_core import dtypes as dt
@@ -22,11 +24,20 @@ _DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32
            torch.bool: dt.bool_, torch.complex64: dt.complex64, torch.complex128: dt.complex128}
 
 
+#: torch dtypes the core communicates as they are, on every op
+CORE_DTYPES = frozenset(t for t, d in _DTYPES.items() if d in dt.SUPPORTED)
+
+
 def to_buffer(t) -> Buffer:
     if not isinstance(t, torch.Tensor):
         if t is None:
             raise InvalidArgumentError("expected a torch.Tensor, got None")
         return Buffer.from_dlpack(t) if hasattr(t, "__dlpack__") else _bad(t)
+    if t.layout is not torch.strided:
+        raise InvalidArgumentError(
+            f"tensors of layout {t.layout} have no single memory block to send; only the "
+            "'mcrdl' process group's all_reduce (SUM) takes sparse COO tensors; densify "
+            "with .to_dense() for anything else")
     try:
         dtype = _DTYPES[t.dtype]
     except KeyError:
@@ -57,6 +68,26 @@ def fast_all_reduce(t, op, group, async_op, backend):
             return _host_all_reduce(_rt(), t.data_ptr(), t.numel(), dtype, t, op, group,
                                     async_op, backend)
     return MISS
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of contiguous ``t`` that keeps dim 0 (so split sizes in rows still
+    hold): for calls that only move data, any dtype travels as its bytes."""
+    rows = t.shape[0] if t.dim() else 1
+    per_row = t.numel() // rows if rows else math.prod(t.shape[1:])
+    return t.reshape(rows, per_row).view(torch.uint8)
+
+
+def write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` where ``dst`` may repeat memory (an expanded tensor: stride 0
+    along some dims, where torch's copy_ refuses to write). Those dims are written once,
+    from index 0 of ``src``: an in-place collective on an expanded tensor is only
+    meaningful when the result is the same along them, as it is when every rank's input
+    is expanded alike."""
+    for d, (stride, size) in enumerate(zip(dst.stride(), dst.shape)):
+        if stride == 0 and size > 1:
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
 
 
 def _bad(obj):
