@@ -69,3 +69,26 @@ def test_torchrun_restart_rendezvouses_afresh():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "rank 0: attempt 1 ok" in out and "rank 1: attempt 1 ok" in out, out[-6000:]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["members-only", "runtime-first"])
+def test_mcrdl_subgroups_under_a_gloo_default_group(mode):
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable,
+                           str(ROOT / "tests" / "mixed_default_job.py"), mode],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env=_env(MCRDL_TIMEOUT="30"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "rank 0: mixed default ok" in out and "rank 1: mixed default ok" in out, out[-6000:]
+
+
+@pytest.mark.multirank
+def test_init_destroy_init_under_mpiexec():
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, str(ROOT / "tests" / "reinit_job.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env=_env(MCRDL_TIMEOUT="30"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.count("reinit ok") == 3, out[-6000:]

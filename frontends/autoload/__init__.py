@@ -24,6 +24,7 @@ import os
 log = logging.getLogger("mcrdl.torch.autoload")
 
 _MPI_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+_FILLED: dict = {}  # the rendezvous variables this module set from MPI, and their values
 
 
 def _create(dist_opts, backend_options=None):
@@ -39,10 +40,17 @@ def _wrap_env_rendezvous(rdzv) -> None:
         return
 
     def env_or_mpi(url, *args, **kwargs):
-        if "RANK" not in os.environ and any(v in os.environ for v in _MPI_VARS):
+        if any(v in os.environ for v in _MPI_VARS) and ("RANK" not in os.environ or _FILLED):
             from mcrdl_torch.run import mpi_env
 
-            mpi_env()
+            # a later init in the same job: what an earlier one filled in is chosen again
+            # (a fresh MASTER_PORT from rank 0), so no rank can join the previous group's
+            # store server while rank 0 still holds it
+            for k, v in _FILLED.items():
+                if os.environ.get(k) == v:
+                    del os.environ[k]
+            _FILLED.clear()
+            _FILLED.update(mpi_env())
         return original(url, *args, **kwargs)
 
     env_or_mpi._mcrdl = True

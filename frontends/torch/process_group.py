@@ -666,7 +666,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
         if group_name:
             pg._set_group_name(group_name)
         pg._set_group_desc(group_desc or "undefined")
-        return pg
+        return with_cpu_backend(pg)
 
     def shutdown(self) -> None:
         """``destroy_process_group``: finish this group's in-flight work. The core runtime
