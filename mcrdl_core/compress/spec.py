@@ -4,8 +4,9 @@ compressed call: pure data, printable and testable without any communication.
 Spelling of a compression spec (keyword argument or environment variable):
 
 - ``"int8"``, ``"int8:512"`` (block size), ``"int4"``, ``"int4:64"``, ``"fp16"``,
-  ``"fp16:4096"``, ``"bf16"``, ``"zfp:16"`` (zfp fixed rate, bits per value), ``"none"``
-  (the uncompressed ring, to compare against);
+  ``"fp16:4096"``, ``"bf16"``, ``"fp8"``, ``"fp8:256"`` (float8 e4m3 with block scales),
+  ``"zfp:16"`` (zfp fixed rate, bits per value), ``"none"`` (the uncompressed ring, to
+  compare against);
 - optionally ``@ALGORITHM``: ``ring`` (default: the seed paper's collective
   compression), ``p2p`` (its baseline: encode and decode at every hop) or ``a2a`` (one
   backend call on the encoded bytes: all-to-all for reduce-scatter, ZeRO++ qgZ style;
@@ -193,13 +194,13 @@ def make_codec(name: str, dtype_name: str = "float32") -> _c.Codec:
         return _c.Identity(_dt.lookup(dtype_name).np_dtype)
     if kind == "bf16" and not arg:
         return _c.BF16()
-    if kind in ("fp16", "int8", "int4") and (number is not None or not arg):
-        cls = {"fp16": _c.FP16, "int8": _c.Int8, "int4": _c.Int4}[kind]
+    if kind in ("fp16", "int8", "int4", "fp8") and (number is not None or not arg):
+        cls = {"fp16": _c.FP16, "int8": _c.Int8, "int4": _c.Int4, "fp8": _c.FP8}[kind]
         return cls(number) if arg else cls()
     if kind == "zfp" and number is not None:
         return _c.ZFP(number)
     raise InvalidArgumentError(f"unknown codec {name!r}; use int8[:BLOCK], int4[:BLOCK], "
-                               "fp16[:BLOCK], bf16, zfp:RATE or none")
+                               "fp16[:BLOCK], fp8[:BLOCK], bf16, zfp:RATE or none")
 
 
 def align(codec: _c.Codec) -> int:
