@@ -1,22 +1,26 @@
-"""Compression-assisted all-gather, reduce-scatter and all-reduce (issue 12).
+"""Compression-assisted all-gather, reduce-scatter and all-reduce (issue 12), and
+all-to-all (issue 25).
 
 Lossy compression is never used unless allowed: ``compression="int8"`` (or fp16, bf16,
-int4, zfp:RATE, none; ``@ring``/``@p2p``/``@a2a`` picks the algorithm) on
+fp8, int4, zfp:RATE, none; ``@ring``/``@p2p``/``@a2a`` picks the algorithm) on
 ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter``,
-``reduce_scatter_tensor`` and ``all_reduce``, or ``MCRDL_COMPRESSION`` for the process.
-See docs/compression.md.
+``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single`` and ``all_to_all``, or
+``MCRDL_COMPRESSION`` for the process (all-to-all only under its own ``all_to_all=``
+key). See docs/compression.md.
 
 - ``codecs``: fixed-size encodings (size known from the element count alone);
 - ``algorithms``: ring all-gather / reduce-scatter with collective-level compression,
-  the point-to-point-compression baseline, all-to-all reduce-scatter, over any
-  backend's send/recv, as generators;
+  the point-to-point-compression baseline, all-to-all reduce-scatter, the compressed
+  all-to-all, over any backend's send/recv or all-to-all, as generators;
 - ``schedule``: runs those generators as Works of the progress engine;
-- ``spec``: what was allowed, and the plan of a call (pure data: ``plan(...)``).
+- ``spec``: what was allowed, and the plan of a call (pure data: ``plan(...)``,
+  ``plan_all_to_all(...)``).
 """
 from .codecs import Codec, NonFiniteError
-from .spec import ALGORITHMS, Compression, Plan, env_default, make_codec, parse, plan, resolve
+from .spec import (ALGORITHMS, A2APlan, Compression, Plan, env_default, make_codec, parse, plan,
+                   plan_all_to_all, resolve)
 
-CODECS = ("none", "bf16", "fp16", "int8", "int4", "zfp:8", "zfp:16", "zfp:24")
+CODECS = ("none", "bf16", "fp16", "int8", "fp8", "int4", "zfp:8", "zfp:16", "zfp:24")
 
-__all__ = ["ALGORITHMS", "CODECS", "Codec", "Compression", "NonFiniteError", "Plan",
-           "env_default", "make_codec", "parse", "plan", "resolve"]
+__all__ = ["ALGORITHMS", "A2APlan", "CODECS", "Codec", "Compression", "NonFiniteError", "Plan",
+           "env_default", "make_codec", "parse", "plan", "plan_all_to_all", "resolve"]

@@ -27,6 +27,9 @@ communicator's stream would block it (``_Posts``).
   of the bytes, decode and sum in full precision: one quantization per contribution.
 - ``coll_all_gather`` (qwZ style): encode once, one backend all-gather of the bytes,
   decode every block.
+- ``all_to_all`` (even and uneven splits): encode each destination's block once, one
+  backend all-to-all of the encoded bytes (byte counts per peer computed by every rank
+  from its own splits, ``spec.plan_all_to_all``), decode each received block in place.
 The uncompressed ring is ``ring_*`` with the ``none`` codec (same code, raw bytes).
 """
 from __future__ import annotations
@@ -199,6 +202,46 @@ def coll_all_gather(ch, lay: Layout, x, res, tag0: int = 0):
         for c in range(lay.chunks):
             ok &= codec.decode(lay.epart(R, c, k), lay.part(res, c, k))
     return bool(ok)
+
+
+def all_to_all(ch, codec, p, x, res):
+    """``x``: the ``sum(p.in_counts)`` values this rank sends, block k for rank k;
+    ``res``: the ``sum(p.out_counts)`` values it receives (work dtype; ``p``: the
+    ``A2APlan`` made with ``codec``). The others' blocks are encoded into one buffer
+    and handed to one backend all-to-all (Alltoallv over the encoded bytes); while they
+    are on the wire, the own block is encoded and decoded here, so it is the same round
+    trip as every other and never moves. Every read of ``x`` comes before the first
+    write of ``res``, so the two may share memory (``all_to_all_single(x, x)``)."""
+    P, r = ch.size, ch.rank
+    ioff, ooff = _offsets(p.in_counts), _offsets(p.out_counts)
+    soff, roff = _offsets(p.send_bytes), _offsets(p.recv_bytes)
+    send, recv = list(p.send_bytes), list(p.recv_bytes)
+    if not any(send) and not any(recv):
+        # A rank with nothing to send or receive sends itself 8 bytes: with all its
+        # counts equal, the mpi backend would issue Alltoall where its peers issue
+        # Alltoallv (it decides from the local counts), and the group would hang. With
+        # the own block's count at 0, a rank that moves anything never looks even.
+        send[r] = recv[r] = 8
+    sbuf, rbuf = ch.staging(max(soff[-1], send[r])), ch.staging(max(roff[-1], recv[r]))
+    S, R = sbuf.array(), rbuf.array()
+    for k in range(P):
+        if k != r:
+            codec.encode(x[ioff[k]:ioff[k + 1]], S[soff[k]:soff[k + 1]])
+    work = ch.all_to_all(rbuf, sbuf, recv, send) if P > 1 else None
+    own = ch.staging(codec.encoded_nbytes(p.in_counts[r])).array()
+    codec.encode(x[ioff[r]:ioff[r + 1]], own)
+    ok = codec.decode(own, res[ooff[r]:ooff[r + 1]])
+    if work is not None:
+        yield work
+    for k in range(P):
+        if k != r:
+            ok &= codec.decode(R[roff[k]:roff[k + 1]], res[ooff[k]:ooff[k + 1]])
+    return bool(ok)
+
+
+def _offsets(counts) -> list:
+    """Start of each block, and the total at the end."""
+    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64))).tolist()
 
 
 def all_reduce(ch, lay: Layout, x, res, algorithm: str):

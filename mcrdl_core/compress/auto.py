@@ -226,11 +226,36 @@ def keeps_plain(cz, rt, group, op: Op, buf, backend) -> bool:
     at once instead of entering the compressed entry to learn the same. ``buf``: the
     per-rank block (all-gather's input, reduce-scatter's output) or all-reduce's buffer.
     The decision is ``choose``'s, memoized, so the entry's own call agrees."""
-    if not isinstance(cz, Auto):
-        return False
+    if not isinstance(cz, Auto) or op is Op.ALL_TO_ALL:
+        return False  # all-to-all decides in the entry, where its splits are known
     count = -(-buf.numel // group.size) if op is Op.ALL_REDUCE else buf.numel
     return choose(cz, rt, group, op, count, buf.dtype, backend, buf.nbytes,
                   buf.device.kind)[0] is None
+def choose_all_to_all(auto: Auto, rt, group, dtype, backend: str | None,
+                      nbytes: int | None, device: str = "cpu"):
+    """``(Compression or None, backend)`` for an all-to-all allowed ``auto``: from the
+    tuning table's compressed measurements of all_to_all only (no calibration measures
+    all-to-all yet), else the plain all-to-all. ``nbytes``: the plain call's selection
+    size, the same on every rank (None for uneven splits: the table's largest range,
+    as backends are selected), never a rank's own total, which differs between ranks
+    of an uneven call and would split them between plain and compressed."""
+    if group.size == 1:
+        return None, backend
+    hit = from_table(auto, rt, group, Op.ALL_TO_ALL, nbytes, device, dtype, backend)
+    if hit is MISS:
+        if group.id not in _A2A_NOTED:
+            _A2A_NOTED.add(group.id)
+            log.info("compression %s on all_to_all of %s: the tuning table holds no "
+                     "compressed all_to_all measurements for it (mcrdl tune --compression), "
+                     "so the plain all-to-all runs; name a codec to compress regardless",
+                     auto, group.describe())
+        return None, backend
+    return hit
+
+
+_A2A_NOTED: set = set()
+
+
 #: from_table's answer when the table has nothing to say about this call
 MISS = object()
 

@@ -1,4 +1,5 @@
-"""The compressed variants of the core's calls. ``mcrdl_core.api`` validates the
+"""The compressed variants of the core's calls (all-gather, reduce-scatter, all-reduce,
+all-to-all). ``mcrdl_core.api`` validates the
 arguments as for any call, then hands the Buffers here when a compression is allowed
 (keyword or ``MCRDL_COMPRESSION``); everything below runs before anything is sent
 until the ScheduleWork is created. An ``auto`` spec is settled here (auto.choose): the
@@ -9,12 +10,13 @@ from __future__ import annotations
 import functools
 
 from .. import debug as _debug
+from .. import validate as _v
 from ..ops import Op, ReduceOp
 from . import algorithms as _alg
-from .auto import Auto, choose
+from .auto import Auto, choose, choose_all_to_all
 from .codecs import NonFiniteError
 from .schedule import Channel, ScheduleWork, store, to_work, xp_of
-from .spec import make_codec, plan, work_dtype
+from .spec import make_codec, plan, plan_all_to_all, work_dtype
 
 
 def _check_intact(work, codec) -> None:
@@ -26,23 +28,34 @@ def _check_intact(work, codec) -> None:
 
 
 def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op, nbytes,
-           backend, finish=None, reduce_op=None):
+           backend, finish=None, reduce_op=None, counts=None, sel_nbytes=-1):
     """Common tail: plan, debug check, tag slot, order, create the ScheduleWork, register
-    or wait."""
+    or wait. ``counts``: an all-to-all's ``(out_counts, in_counts)``: its plan is this
+    rank's (``plan_all_to_all``, handed to ``gen_fn`` in place of a Layout) and the
+    debug check compares the splits across ranks too; ``sel_nbytes``: its backend's
+    selection size (None: uneven splits, as for the plain call)."""
     codec = make_codec(cz.codec, dtype.name)
     codec.check_device(device.kind)
-    p = plan(op, cz, g.size, count, dtype)
-    lay = _alg.Layout(p.chunk_counts if count else (0,), codec)
     ch = Channel(rt, g, backend, device)
-    be = ch.backend(Op.SEND if cz.algorithm != "a2a" else
-                    (Op.ALL_TO_ALL if op is not Op.ALL_GATHER else Op.ALL_GATHER), ch.staging(1))
+    if counts is None:
+        p = plan(op, cz, g.size, count, dtype)
+        lay = _alg.Layout(p.chunk_counts if count else (0,), codec)
+        be = ch.backend(Op.SEND if cz.algorithm != "a2a" else
+                        (Op.ALL_TO_ALL if op is not Op.ALL_GATHER else Op.ALL_GATHER),
+                        ch.staging(1))
+        spec = f"{codec.name}@{cz.algorithm}*{p.chunks}"
+    else:
+        p = lay = plan_all_to_all(cz, g.size, g.rank, *counts, dtype)
+        be = ch.backend(Op.ALL_TO_ALL, ch.staging(1), sel_nbytes)
+        spec, count = f"{codec.name}@a2a", None  # the splits are compared instead
     if rt.debug:
-        _debug.check(rt, g, op, be, reads[0], reduce_op=reduce_op, count=count,
-                     compression=f"{codec.name}@{cz.algorithm}*{p.chunks}")
+        _debug.check(rt, g, op, be, reads[0], reduce_op=reduce_op, count=count, counts=counts,
+                     compression=spec)
     ch.claim_slot()
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     gen = gen_fn(ch, lay)
-    work = ScheduleWork(f"{be.name}+{codec.name}@{cz.algorithm}", op, g, gen, desc=str(p))
+    algorithm = "a2a" if counts is not None else cz.algorithm
+    work = ScheduleWork(f"{be.name}+{codec.name}@{algorithm}", op, g, gen, desc=str(p))
     ch.hold(work)
     if finish is not None:
         work.add_finalizer(finish)
@@ -50,11 +63,14 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
     return rt.finish(work, spans, async_op, nbytes)
 
 
-def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, then=None):
-    """Where auto keeps the backend's own collective: the core's usual path."""
-    be = rt.select(op, g, probe, backend)
+def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, then=None,
+           counts=None, sel_nbytes=-1):
+    """Where auto keeps the backend's own collective: the core's usual path.
+    ``counts``/``sel_nbytes``: an all-to-all's splits and selection size (``_issue``)."""
+    be = rt.select(op, g, probe, backend, nbytes=sel_nbytes)
     if rt.debug:
-        _debug.check(rt, g, op, be, probe, count=probe.numel)
+        _debug.check(rt, g, op, be, probe, count=None if counts else probe.numel,
+                     counts=counts)
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     work = call(be)
     if then is not None:
@@ -146,3 +162,42 @@ def all_reduce(rt, g, buf, op, cz, backend, async_op):
 
     return _issue(rt, g, Op.ALL_REDUCE, cz, m, buf.dtype, buf.device, gen, (buf,), (buf,),
                   async_op, buf.nbytes, backend, finish, op)
+
+
+def all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend, async_op, nbytes,
+               writes=None, then=None):
+    """Compressed all-to-all, even or uneven: ``in_counts[k]`` elements of ``inp``
+    (packed in rank order) go to rank k, whose block for this rank lands in ``out`` at
+    block k (``out_counts[k]`` elements); each block is one codec round trip
+    (``algorithms.all_to_all``). ``nbytes``: the plain call's selection size (None for
+    uneven splits, so every rank selects alike); the compressed call selects its
+    backend with the encoded size of an even call instead. ``writes``/``then``: the
+    list form's user buffers and the copy into them, as for ``all_gather``. The own
+    block must have one size in both split lists (checked before anything is sent)."""
+    _v.own_block(out_counts, in_counts, g.rank, "all_to_all")
+    counts = (list(out_counts), list(in_counts))
+    if isinstance(cz, Auto):
+        cz, backend = choose_all_to_all(cz, rt, g, inp.dtype, backend, nbytes, inp.device.kind)
+        if cz is None:
+            return _plain(rt, g, Op.ALL_TO_ALL, backend, inp,
+                          lambda be: be.all_to_all(g, out, inp, *counts), (inp,),
+                          writes or (out,), async_op, inp.nbytes, then, counts, nbytes)
+    codec = make_codec(cz.codec, inp.dtype.name)
+    wd = work_dtype(inp.dtype)
+    direct = out.array().dtype == wd
+    res = out.array().reshape(-1) if direct else xp_of(out).empty(out.numel, wd)
+
+    def gen(ch, p):
+        x = to_work(inp, wd)  # read after the ordering wait, like the data itself
+        return (yield from _alg.all_to_all(ch, codec, p, x, res))
+
+    def finish():
+        if not direct:
+            store(out, res)
+        if then is not None:
+            then()
+
+    sel = None if nbytes is None else g.size * codec.encoded_nbytes(in_counts[0])
+    return _issue(rt, g, Op.ALL_TO_ALL, cz, inp.numel, inp.dtype, inp.device, gen, (inp,),
+                  writes or (out,), async_op, inp.nbytes, backend, finish, counts=counts,
+                  sel_nbytes=sel)

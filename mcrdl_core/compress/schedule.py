@@ -88,10 +88,13 @@ class Channel:
         """Fresh bytes on the call's device (encoded data lives here)."""
         return alloc.empty((nbytes,), _dt.uint8, self.device)
 
-    def backend(self, op: Op, buf: Buffer):
+    def backend(self, op: Op, buf: Buffer, nbytes: int | None = -1):
+        """The backend for ``op``, chosen once per call (``nbytes``: the selection size,
+        as ``Runtime.select`` takes it; -1: ``buf``'s)."""
         be = self._chosen.get(op)
         if be is None:
-            be = self._chosen[op] = self.rt.select(op, self.group, buf, self._backend)
+            be = self._chosen[op] = self.rt.select(op, self.group, buf, self._backend,
+                                                   nbytes=nbytes)
         return be
 
     def send(self, buf: Buffer, peer: int, tag: int) -> Work:
@@ -122,9 +125,16 @@ class Channel:
             return be.batch_p2p(self.group, [(sbuf, speer)], [(rbuf, rpeer)])
         return _Both(self.send(sbuf, speer, tag), self.recv(rbuf, rpeer, tag))
 
-    def all_to_all(self, out: Buffer, inp: Buffer) -> Work:
-        counts = [inp.numel // self.size] * self.size
-        return self.backend(Op.ALL_TO_ALL, inp).all_to_all(self.group, out, inp, counts, counts)
+    def all_to_all(self, out: Buffer, inp: Buffer, out_counts=None, in_counts=None) -> Work:
+        """One backend all-to-all of byte buffers: ``in_counts[k]`` bytes of ``inp``
+        (packed in rank order) go to rank k, ``out_counts[k]`` bytes from rank k land in
+        ``out`` (Alltoallv where they differ); None: even blocks of the whole buffers."""
+        if in_counts is None:
+            in_counts = [inp.numel // self.size] * self.size
+        if out_counts is None:
+            out_counts = [out.numel // self.size] * self.size
+        return self.backend(Op.ALL_TO_ALL, inp).all_to_all(self.group, out, inp,
+                                                           list(out_counts), list(in_counts))
 
     def all_gather(self, out: Buffer, inp: Buffer) -> Work:
         return self.backend(Op.ALL_GATHER, inp).all_gather(self.group, out, inp)

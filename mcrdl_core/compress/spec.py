@@ -17,10 +17,16 @@ Spelling of a compression spec (keyword argument or environment variable):
   the backend's own collective wherever it holds no such measurement);
 - or a :class:`Compression` object (``chunks=`` sets the pipeline depth).
 
-``MCRDL_COMPRESSION`` gives the process default, for all three ops (``int8``) or per op
-(``all_gather=int8,reduce_scatter=fp16@a2a``; keys all_gather, reduce_scatter,
-all_reduce). ``MCRDL_COMPRESSION_CHUNKS`` sets the default pipeline depth. Off unless
-set: lossy compression is never used unless allowed here or by the keyword.
+``MCRDL_COMPRESSION`` gives the process default, for all three reducing/gathering ops
+(``int8``) or per op (``all_gather=int8,reduce_scatter=fp16@a2a``; keys all_gather,
+reduce_scatter, all_reduce, all_to_all). All-to-all is compressed only where named
+(``all_to_all=fp8`` or the keyword): it carries activations and tokens (MoE dispatch,
+DLRM embeddings), not the weights and gradients a job allows a bare spec for, so
+a job that set ``MCRDL_COMPRESSION=int8`` for FSDP does not start compressing them.
+All-to-all has one algorithm (one backend all-to-all of the encoded bytes, ``a2a``;
+the default ``ring`` spelling means it too, ``p2p`` is refused).
+``MCRDL_COMPRESSION_CHUNKS`` sets the default pipeline depth. Off unless set: lossy
+compression is never used unless allowed here or by the keyword.
 """
 from __future__ import annotations
 
@@ -38,7 +44,9 @@ from . import codecs as _c
 
 ALGORITHMS = ("ring", "p2p", "a2a")
 OPS = {"all_gather": Op.ALL_GATHER, "reduce_scatter": Op.REDUCE_SCATTER,
-       "all_reduce": Op.ALL_REDUCE}
+       "all_reduce": Op.ALL_REDUCE, "all_to_all": Op.ALL_TO_ALL}
+#: the ops a bare MCRDL_COMPRESSION spec (no ``op=`` key) applies to
+BARE_OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)
 #: encoded bytes per chunk above which a block is split into pipelined chunks
 CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 8
@@ -132,7 +140,7 @@ def env_default(op: Op) -> Compression | None:
     if not raw:
         return None
     table = _env_table(raw)
-    return table.get(op.value, table.get("*"))
+    return table.get(op.value, table.get("*") if op in BARE_OPS else None)
 
 
 def resolve(compression, op: Op, dtype: _dt.DType, reduce_op: ReduceOp | None = None):
@@ -169,6 +177,10 @@ def _resolve(compression, op: Op, dtype: _dt.DType, reduce_op):
                 return None
             raise DtypeError(f"compression {name!r} is lossy and refuses {dtype.name} data; "
                              "pass compression=None (or 'none') for integer tensors")
+    if op is Op.ALL_TO_ALL and getattr(cz, "algorithm", None) == "p2p":
+        raise UnsupportedError(f"compressed all_to_all has one algorithm (a2a: one backend "
+                               f"all-to-all of the encoded blocks), not {cz.algorithm!r}; "
+                               f"pass compression={cz.codec!r}")
     if reduce_op is not None and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         if lenient:
             return None
@@ -238,14 +250,17 @@ class Plan:
 
 def plan(op: Op, cz: Compression, group_size: int, count: int,
          dtype: _dt.DType | str = "float32") -> Plan:
-    """The plan of a compressed ``op`` of ``count`` elements per rank block (pure)."""
+    """The plan of a compressed ``op`` of ``count`` elements per rank block (pure); for
+    all-to-all, ``count`` is the block for each peer of an even call (uneven ones:
+    ``plan_all_to_all``)."""
     dtype = _dt.lookup(dtype)
     codec = make_codec(cz.codec, dtype.name)
     enc = codec.encoded_nbytes(count)
+    algorithm = "a2a" if op is Op.ALL_TO_ALL else cz.algorithm
     chunks = cz.chunks
     if chunks is None:
-        chunks = 1 if cz.algorithm != "ring" else max(1, min(MAX_CHUNKS, enc // CHUNK_BYTES))
-    if cz.algorithm == "a2a":
+        chunks = 1 if algorithm != "ring" else max(1, min(MAX_CHUNKS, enc // CHUNK_BYTES))
+    if algorithm == "a2a":
         chunks = 1
     step = -(-count // chunks) if chunks else count
     a = align(codec)
@@ -253,6 +268,58 @@ def plan(op: Op, cz: Compression, group_size: int, count: int,
     counts = tuple(min(step, count - o) for o in range(0, count, step)) or (0,)
     enc_chunks = sum(codec.encoded_nbytes(c) for c in counts)
     hops = {Op.ALL_GATHER: group_size - 1, Op.REDUCE_SCATTER: group_size - 1,
-            Op.ALL_REDUCE: 2 * (group_size - 1)}[op]
-    return Plan(op.value, cz.algorithm, codec.name, group_size, count, dtype.name, len(counts),
+            Op.ALL_REDUCE: 2 * (group_size - 1), Op.ALL_TO_ALL: group_size - 1}[op]
+    return Plan(op.value, algorithm, codec.name, group_size, count, dtype.name, len(counts),
                 counts, count * dtype.itemsize, enc_chunks, hops * enc_chunks)
+
+
+@dataclass(frozen=True)
+class A2APlan:
+    """How one rank runs a compressed all-to-all (even or uneven): the element counts
+    it sends to and receives from each group rank (the call's splits), and the bytes of
+    their encodings that the backend's all-to-all moves. A codec's encoded size depends
+    on the element count alone, so every rank computes its byte counts from the splits
+    it already has and no sizes are exchanged. The own block is encoded and decoded
+    locally (0 bytes on the wire), so it is the same round trip as every other block.
+    ``raw_bytes``/``wire_bytes``: what this rank sends to the others, before and after
+    encoding."""
+
+    codec: str
+    group_size: int
+    rank: int
+    dtype: str
+    in_counts: tuple
+    out_counts: tuple
+    send_bytes: tuple
+    recv_bytes: tuple
+    raw_bytes: int
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(self.send_bytes)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def __str__(self) -> str:
+        return (f"all_to_all a2a codec={self.codec} P={self.group_size} rank={self.rank} "
+                f"{self.dtype} sends {sum(self.in_counts)} receives {sum(self.out_counts)} "
+                f"elements ({self.raw_bytes} B -> {self.wire_bytes} B to the others, ratio "
+                f"{self.ratio:.2f}; {sum(self.recv_bytes)} B in)")
+
+
+def plan_all_to_all(cz: Compression, group_size: int, rank: int, out_counts, in_counts,
+                    dtype: _dt.DType | str = "float32") -> A2APlan:
+    """The plan of a compressed all-to-all on group rank ``rank`` (pure): ``in_counts[k]``
+    elements go to rank k, ``out_counts[k]`` come from it."""
+    dtype = _dt.lookup(dtype)
+    codec = make_codec(cz.codec, dtype.name)
+    ins, outs = tuple(int(c) for c in in_counts), tuple(int(c) for c in out_counts)
+    if len(ins) != group_size or len(outs) != group_size:
+        raise InvalidArgumentError(f"all_to_all plan: {len(ins)} input and {len(outs)} output "
+                                   f"counts for a group of {group_size}; give one per rank")
+    send = tuple(0 if k == rank else codec.encoded_nbytes(c) for k, c in enumerate(ins))
+    recv = tuple(0 if k == rank else codec.encoded_nbytes(c) for k, c in enumerate(outs))
+    return A2APlan(codec.name, group_size, rank, dtype.name, ins, outs, send, recv,
+                   (sum(ins) - ins[rank]) * dtype.itemsize)
