@@ -246,7 +246,9 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                      group=None, async_op: bool = False, backend=None):
+                      group=None, async_op: bool = False, backend=None, compression=None):
+    """``compression``: allow a codec for the exchanged blocks (docs/compression.md);
+    None: MCRDL_COMPRESSION's ``all_to_all=`` key, else off."""
     out = _v.output(output, "output")
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "all_to_all_single")
@@ -257,6 +259,10 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     even = len(set(out_counts)) == 1 and len(set(in_counts)) == 1 and out_counts == in_counts
     nbytes = inp.nbytes if even and not (output_split_sizes or input_split_sizes) else None
     _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, inp, backend, nbytes=nbytes)
+    cz = _compression(compression, Op.ALL_TO_ALL, rt, g, backend, inp)
+    if cz is not None:
+        return _compress()[2].all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend,
+                                         async_op, nbytes)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
@@ -265,7 +271,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
-               backend=None):
+               backend=None, compression=None):
+    """``compression``: as for ``all_to_all_single``."""
     outs = [_v.output(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
     ins = [_v.input(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
     if not outs or not ins:
@@ -279,8 +286,16 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     out_counts = [b.numel for b in outs]
     in_counts = [b.numel for b in ins]
     even = len(set(out_counts + in_counts)) == 1
-    _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, ins[0], backend,
-                           nbytes=sum(b.nbytes for b in ins) if even else None)
+    nbytes = sum(b.nbytes for b in ins) if even else None
+    _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, ins[0], backend, nbytes=nbytes)
+    cz = _compression(compression, Op.ALL_TO_ALL, rt, g, backend, ins[0])
+    if cz is not None:
+        rt.order(reads=ins, writes=outs, keep=False)  # before the inputs are read
+        tmp_in = _concat(ins, sum(in_counts))
+        tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
+        return _compress()[2].all_to_all(rt, g, tmp_out, tmp_in, out_counts, in_counts, cz,
+                                         backend, async_op, nbytes, writes=outs,
+                                         then=lambda: _scatter_into(tmp_out, outs))
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
     spans = rt.order(reads=ins, writes=outs, keep=async_op)
