@@ -560,21 +560,22 @@ def _e4m3_codes(y, xp):
     fast = _e4m3_torch(y)
     if fast is not None:
         return fast
+    u32 = np.uint32  # constants as uint32: no promotion, on NumPy or CuPy
     u = y.view(xp.uint32)
-    a = u & 0x7FFFFFFF
-    code = a >> 20  # in place from here: each temporary of 4 bytes per value costs
-    code &= 1       # about as much as the arithmetic
+    a = u & u32(0x7FFFFFFF)
+    code = a >> u32(20)  # in place from here: each temporary of 4 bytes per value
+    code &= u32(1)       # costs about as much as the arithmetic
     code += a
     # round half to even at bit 20, and rebias float32's exponent 127 to e4m3's 7
     # (120 << 23 = 960 << 20), as one addition modulo 2^32; wraps below 2^-7, which
     # the subnormal branch overwrites
-    code += (0x7FFFF - (960 << 20)) & 0xFFFFFFFF
-    code >>= 20
-    sub = a < _E4M3_MIN_NORMAL_BITS
+    code += u32((0x7FFFF - (960 << 20)) & 0xFFFFFFFF)
+    code >>= u32(20)
+    sub = a < u32(_E4M3_MIN_NORMAL_BITS)
     if bool(sub.any()):
         code[sub] = xp.rint(xp.abs(y[sub]) * 512.0).astype(xp.uint32)
-    a = u >> 24
-    a &= 0x80
+    a = u >> u32(24)
+    a &= u32(0x80)
     code |= a
     return code.astype(xp.uint8)
 
