@@ -26,8 +26,12 @@ class BackendUnavailableError(McrdlError, RuntimeError):
     """A backend was named that is not installed or cannot run here."""
 
 
-class CommTimeoutError(McrdlError, TimeoutError):
-    """A wait ran past its timeout; the message names the op, group, backend and rank."""
+class CommTimeoutError(McrdlError, TimeoutError, RuntimeError):
+    """A wait ran past its timeout; the message names the op, group, backend and rank.
+
+    Also a RuntimeError: that is what torch code catches from a backend (torch's own
+    backends raise ``DistBackendError``, a RuntimeError, when a collective times out),
+    while plain Python code catches TimeoutError."""
 
 
 class TableError(McrdlError, ValueError):

@@ -73,12 +73,19 @@ no other library's work to drive), and an issuer exists (not float16/bfloat16, n
 AVG: those need a finishing step).
 
 The wait. With nothing else in flight, polling this one request *is* the progress
-loop: the call spins on ``Request.Test`` under the engine's lock for at most
-``MCRDL_SPIN_US`` µs; if it is not done by then, the request is wrapped in a Work and
-handed to the engine's ordinary wait (timeout, diagnostics naming op, group, backend
-and rank, broken-group marking). No MPI call that can block is ever made, so no
-watchdog thread is needed: a wait that never completes ends in CommTimeoutError like
-any other.
+loop: the call spins on ``Request.Test`` for at most ``MCRDL_SPIN_US`` µs, holding the
+engine's ``poll_lock`` if it is free (so that mcrdl_torch's progress thread does not
+contend for MPI meanwhile); if it is not done by then, the request is wrapped in a Work
+and handed to the engine's ordinary wait (the group's timeout or ``MCRDL_TIMEOUT``,
+diagnostics naming op, group, backend and rank, broken-group marking), which lets go of
+the engine's issuing ``lock`` while it waits. No MPI call that can block is ever made,
+so no watchdog thread is needed: a wait that never completes ends in CommTimeoutError
+like any other.
+
+Threads. "Nothing in flight" is read without a lock: another thread may issue right
+after. The request is this call's own, so nobody else polls it; at worst the other
+thread's work is not driven by this call for the spin's length, after which the
+engine's wait polls everything.
 """
 from __future__ import annotations
 
@@ -205,10 +212,15 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         work.engine = eng
         eng.inflight.append(work)
         return work
-    with eng.lock:
-        if not _spin(req.Test, eng.spin_s):  # then the engine's loop: timeout, diagnostics
-            be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
-                       owner).wait()
+    polling = eng.poll_lock.acquire(False)
+    try:
+        done = _spin(req.Test, eng.spin_s)
+    finally:
+        if polling:
+            eng.poll_lock.release()
+    if not done:  # then the engine's loop: timeout, diagnostics
+        be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
+                   owner).wait()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
                                   time.perf_counter() - t0))

@@ -17,6 +17,31 @@ host has more ranks than cores (3 ranks on 2 cores), it spins ``MCRDL_SPIN_US`` 
 doing the work gets the core. With no host-driven work in flight, it yields after the
 spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
 their own threads and engines.
+
+Threads. The engine is shared by every thread of the process (a training loop, a
+checkpoint or metrics thread, mcrdl_torch's progress thread), and no thread keeps it
+for the length of a wait: two threads running collectives on two groups, interleaved
+differently on different ranks, would deadlock otherwise. Two locks:
+
+- ``poll_lock`` is held for one poll at a time (``progress``, ``Work.test``, the
+  spin of a lone work), so no two threads ever poll one library request at once. It
+  is only ever *tried*: a thread that finds it taken skips its poll, since the holder
+  is polling everybody's work, and looks at its own works' state instead. (A blocking
+  acquire here starves: a thread that polls without pause takes the lock back before a
+  woken waiter gets to it.)
+- ``lock`` is held while a call is issued (mcrdl_torch's process group holds it around
+  each call). A wait made while its own thread holds it from an outer frame (a blocking
+  call, or a call that first waits for a memory conflict) lets go of every level of it
+  until the wait returns, so that other threads can issue meanwhile.
+
+Polls read a snapshot of the in-flight list, so works that other threads add or drop
+meanwhile are seen at the next poll. Whichever thread polls drives everybody's work.
+
+Timeouts. A wait without an explicit timeout uses the runtime's own: the shortest
+``timeout`` of the works' groups where one is set (a torch process group's
+``timeout=``), else ``MCRDL_TIMEOUT``. A wait past the runtime's own timeout breaks the
+groups of its unfinished works (``on_timeout``); a shorter deadline a caller passes
+leaves them in flight, to be waited again.
 """
 from __future__ import annotations
 
@@ -35,9 +60,13 @@ DEFAULT_TIMEOUT_S = 300.0
 class ProgressEngine:
     def __init__(self):
         self.inflight: list = []
-        # held by every wait and by any other thread that polls (mcrdl_torch's progress
-        # thread): the engine and the libraries' requests are touched by one thread at a time
+        # held while a call is issued; a wait lets go of it (see "Threads" above)
         self.lock = threading.RLock()
+        # held for one poll; only ever tried, never waited for (see "Threads" above)
+        self.poll_lock = threading.RLock()
+        # (work, what it kept) for works given up without completing (abandon()): the
+        # library may still read or write their memory, so it stays referenced
+        self.abandoned: list = []
         # works complete for their caller whose device side may still use their memory
         # (an NCCL op the caller's stream was made to wait on): see defer()
         self.pending: list = []
@@ -65,6 +94,23 @@ class ProgressEngine:
 
     def discard(self, work) -> None:
         _drop(self.inflight, work)
+
+    def abandon(self, works, error: BaseException) -> list:
+        """Give up on ``works`` without waiting (a process group aborted or destroyed
+        with them pending): each still pending completes at once with ``error`` (its
+        finalizers do not run; a wait on it raises), leaves the in-flight list, and keeps
+        its buffers referenced here for the rest of the process, since its library may
+        still write into them (a late peer's message). Returns the works given up."""
+        polling = self.poll_lock.acquire(timeout=0.1)  # a poll completes works too
+        try:
+            left = [w for w in works if not w._done]
+            for w in left:
+                self.abandoned.append((w, w.keep))
+                w._complete(error)
+        finally:
+            if polling:
+                self.poll_lock.release()
+        return left
 
     def defer(self, work) -> None:
         """Hold ``work`` -- waited by its caller, but the GPU may still read or write its
@@ -99,12 +145,14 @@ class ProgressEngine:
 
     # --- polling ------------------------------------------------------------------------
     def progress(self) -> None:
-        """Poll every in-flight work once, batched per work class."""
+        """Poll every in-flight work once, batched per work class. The caller holds
+        ``poll_lock``; the in-flight list is read from a snapshot (other threads add
+        works meanwhile)."""
         if self.pending:
             self.reap()
-        inflight = self.inflight
-        if not inflight:
+        if not self.inflight:
             return
+        inflight = self.inflight[:]
         if len(inflight) == 1:
             inflight[0].test()
             return
@@ -118,32 +166,56 @@ class ProgressEngine:
                 for w in works:
                     w._complete(exc)
 
-    def wait(self, works, timeout: float | None = None) -> None:
-        """Drive all backends until every work in ``works`` is complete."""
-        with self.lock:
-            self._wait(works, timeout)
+    def timeout_of(self, works) -> float:
+        """The runtime's own timeout for a wait on ``works``: the shortest ``timeout`` of
+        their groups where one is set, else ``MCRDL_TIMEOUT``."""
+        best = None
+        for w in works:
+            t = getattr(w.group, "timeout", None)
+            if t is not None and (best is None or t < best):
+                best = t
+        return self.timeout if best is None else best
 
-    def _wait(self, works, timeout: float | None) -> None:
+    def wait(self, works, timeout: float | None = None) -> None:
+        """Drive all backends until every work in ``works`` is complete, within
+        ``timeout`` seconds (None: the runtime's own, see ``timeout_of``)."""
         if len(works) == 1 and works[0].test():  # fast path: done at the first look
             return
         pending = [w for w in works if not w._done]
         if not pending:
             return
-        if (len(pending) == 1 and not self.pending and
-                (not self.inflight or self.inflight == pending)):
-            if self._spin_alone(pending[0]):
-                return
         for w in pending:
             if w.engine is None:
                 self.add(w)
+        # a caller up the stack that holds ``lock`` (issuing a call) lets go of it while
+        # this waits, and gets it back, at the same depth, before this returns
+        lock = self.lock
+        saved = lock._release_save() if lock._is_owned() else None
+        try:
+            if (len(pending) == 1 and not self.pending and self.inflight[:2] == pending
+                    and self._spin_alone(pending[0])):
+                return
+            self._loop(pending, timeout)
+        finally:
+            if saved is not None:
+                lock._acquire_restore(saved)
+
+    def _loop(self, pending, timeout: float | None) -> None:
+        """The progress loop of ``wait``: a poll when nobody else is polling, then the
+        checks and the pause (see the module docstring)."""
         own_timeout = timeout is None  # the runtime's: a timeout breaks the group
-        timeout = self.timeout if own_timeout else timeout
+        timeout = self.timeout_of(pending) if own_timeout else timeout
+        poll_lock = self.poll_lock
         start = time.perf_counter()
         spin_until = start + self.spin_s
         yield_until = start + 0.002
         nap = 1e-5
         while True:
-            self.progress()
+            if poll_lock.acquire(False):
+                try:
+                    self.progress()
+                finally:
+                    poll_lock.release()
             if all(w._done for w in pending):
                 return
             now = time.perf_counter()
@@ -168,15 +240,22 @@ class ProgressEngine:
         bookkeeping (about 0.3 µs a poll instead of 1.5, so completion is seen sooner),
         for at most the spin time; True if it completed. Polling it alone is the whole
         progress loop here, since no other library has work in flight; afterwards the
-        loop below takes over, with its timeout."""
+        loop below takes over, with its timeout. Skipped (False) while another thread
+        polls."""
+        if not self.poll_lock.acquire(False):
+            return False
         try:
-            if not spin(w._poll, self.spin_s):
-                return False
-        except BaseException as exc:  # a library error: the work fails with it
-            w._complete(exc)
+            if not w._done:
+                try:
+                    if not spin(w._poll, self.spin_s):
+                        return False
+                except BaseException as exc:  # a library error: the work fails with it
+                    w._complete(exc)
+                    return True
+                w._complete()
             return True
-        w._complete()
-        return True
+        finally:
+            self.poll_lock.release()
 
     def diagnose(self, pending, timeout: float) -> str:
         w = next(x for x in pending if not x._done)

@@ -4,17 +4,15 @@ Every backend returns a subclass. A Work is *polled*, never blocked on: ``test()
 asks the library whether it is done without waiting, and ``wait()`` hands the work to
 the progress engine, whose loop polls all in-flight work of all backends (see
 ``progress.py``). Finalizers (copy out of a staging buffer, cast back from an upcast,
-divide for AVG) run once, on the calling thread, when the library reports completion.
+divide for AVG) run once, on the thread whose poll sees the library report completion.
+Polls happen under the progress engine's ``poll_lock`` (``test()`` tries it), so no two
+threads ever poll one library request at once.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-
-def _engine():
-    from .progress import engine
-
-    return engine()
+from .progress import engine as _engine
 
 
 def _failure(work):
@@ -88,13 +86,19 @@ class Work:
             self.engine.discard(self)
 
     def test(self) -> bool:
-        """Non-blocking: True when complete (drives this work's library once)."""
+        """Non-blocking: True when complete. Drives this work's library once, under the
+        engine's ``poll_lock``; while another thread holds it (it is polling every
+        in-flight work, this one included) only reports the state."""
         if not self._done:
-            try:
-                if self._poll():
-                    self._complete()
-            except BaseException as exc:
-                self._complete(exc)
+            lock = (self.engine or _engine()).poll_lock
+            if lock.acquire(False):
+                try:
+                    if not self._done and self._poll():
+                        self._complete()
+                except BaseException as exc:
+                    self._complete(exc)
+                finally:
+                    lock.release()
         return self._done
 
     def is_completed(self) -> bool:
@@ -109,15 +113,17 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block (polling every backend's in-flight work) until done; re-raise its error.
 
-        ``timeout`` in seconds; None means the runtime default (``MCRDL_TIMEOUT``).
+        ``timeout`` in seconds; None means the runtime's own (the group's timeout if it
+        has one, else ``MCRDL_TIMEOUT``), past which the group is broken; an explicit
+        timeout leaves the work in flight.
         """
         if not self._done:
             eng = self.engine
+            # alone in flight (the usual async call): poll it alone (the engine's loop
+            # would do the same first). A slice, since other threads may change the list.
             if (timeout is None and eng is not None and not eng.pending
-                    and len(eng.inflight) == 1 and eng.inflight[0] is self):
-                with eng.lock:  # alone in flight (the usual async call): poll it alone
-                    if not self._done:  # (the engine's loop would do the same first)
-                        eng._spin_alone(self)
+                    and eng.inflight[:2] == [self]):
+                eng._spin_alone(self)
             if not self._done:
                 if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
                     timeout = timeout.total_seconds()

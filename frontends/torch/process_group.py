@@ -669,15 +669,21 @@ class McrdlProcessGroup(dist.ProcessGroup):
         return with_cpu_backend(pg)
 
     def shutdown(self) -> None:
-        """``destroy_process_group``: finish this group's in-flight work. The core runtime
-        stays up (mcrdl_torch and mcrdl_core calls in the same process share it)."""
-        eng = _engine()
-        mine = [w for w in list(eng.inflight) if w.group is self._g]
-        if mine:
-            eng.wait(mine)
+        """``destroy_process_group``: this group's in-flight work gets a short grace to
+        finish (none after a failure); what is still pending then -- an operation no
+        peer will match -- is given up and the group marked broken, with a warning,
+        instead of waiting out the timeout (as Gloo returns at once). Never raises. The
+        core runtime stays up (mcrdl_torch and mcrdl_core calls share it)."""
+        from .pg_work import SHUTDOWN_GRACE_S, close_group
+
+        close_group(self._g, "destroyed", SHUTDOWN_GRACE_S)
 
     def abort(self) -> None:
-        self.shutdown()
+        """``_abort_process_group``: give up this group's pending work at once (its waits
+        raise); never waits, never raises."""
+        from .pg_work import close_group
+
+        close_group(self._g, "aborted", 0.0)
 
 
 def _requested_backend() -> str | None:
