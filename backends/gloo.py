@@ -317,7 +317,7 @@ class GlooBackend(Backend):
         return self._waited(Op.REDUCE_SCATTER, group, tw, (out, inp, to, ti), finalize=fin)
 
     @_gpu(Op.ALL_TO_ALL)
-    def all_to_all(self, group, out, inp, out_counts, in_counts):
+    def all_to_all(self, group, out, inp, out_counts, in_counts, even=False):
         """``all_to_all_single(x, x)`` (input and output sharing memory, as torch allows)
         sends a copy of the input: Gloo's alltoall writes blocks it has yet to send
         and returned wrong blocks, with no error, on 3 ranks. Gloo's all-gather and

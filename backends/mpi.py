@@ -290,14 +290,17 @@ class MPIBackend(Backend):
                        finalize=r_out.finalizer)
 
     @_gpu(Op.ALL_TO_ALL)
-    def all_to_all(self, group, out, inp, out_counts, in_counts):
+    def all_to_all(self, group, out, inp, out_counts, in_counts, even=False):
+        """``MPI_Ialltoall`` only where the call is even by its form (``even``: every rank
+        issues the same collective); else ``MPI_Ialltoallv``, also when this rank's own
+        counts happen to be equal (an idle rank among uneven ones)."""
         comm = self.comm(group)
         inp = _apart(inp, out)
-        if len(set(in_counts)) == 1 and in_counts == out_counts:
+        if even:
             req = comm.Ialltoall(_spec(inp, in_counts[0]), _spec(out, out_counts[0]))
         else:
-            in_displs = np.concatenate(([0], np.cumsum(in_counts[:-1]))).tolist()
-            out_displs = np.concatenate(([0], np.cumsum(out_counts[:-1]))).tolist()
+            in_displs = np.concatenate(([0], np.cumsum(in_counts[:-1], dtype=np.int64))).tolist()
+            out_displs = np.concatenate(([0], np.cumsum(out_counts[:-1], dtype=np.int64))).tolist()
             s_in, s_out = _spec(inp), _spec(out)
             req = comm.Ialltoallv([s_in[0], (in_counts, in_displs), s_in[2]],
                                   [s_out[0], (out_counts, out_displs), s_out[2]])

@@ -590,7 +590,7 @@ class NCCLBackend(Backend):
         return self._issue(Op.REDUCE_SCATTER, group, [inp, out],
                            lambda c, s: c.reduceScatter(inp.ptr, out.ptr, n, t, o, s))
 
-    def all_to_all(self, group, out, inp, out_counts, in_counts):
+    def all_to_all(self, group, out, inp, out_counts, in_counts, even=False):
         _v.own_block(out_counts, in_counts, group.rank, "nccl: all_to_all")
         t, _, scale = self._type(inp)
         isz = inp.dtype.itemsize

@@ -266,8 +266,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
-    return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts), spans, async_op,
-                     inp.nbytes)
+    form_even = not output_split_sizes and not input_split_sizes
+    return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts, form_even), spans,
+                     async_op, inp.nbytes)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,

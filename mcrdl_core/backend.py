@@ -100,7 +100,11 @@ class Backend:
     def all_reduce(self, group, buf, op): raise NotImplementedError
     def all_gather(self, group, out, inp): raise NotImplementedError
     def reduce_scatter(self, group, out, inp, op): raise NotImplementedError
-    def all_to_all(self, group, out, inp, out_counts, in_counts): raise NotImplementedError
+    def all_to_all(self, group, out, inp, out_counts, in_counts, even=False):
+        """``even``: the call is even by its form on every rank (no split sizes given),
+        so a backend may use an even-only algorithm; equal counts on this rank alone do
+        not say that (another rank's may differ)."""
+        raise NotImplementedError
     def gather(self, group, out, inp, root): raise NotImplementedError
     def scatter(self, group, out, inp, root): raise NotImplementedError
     def barrier(self, group): raise NotImplementedError
