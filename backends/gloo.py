@@ -143,6 +143,7 @@ class GlooBackend(Backend):
     def __init__(self, runtime):
         super().__init__(runtime)
         self._stores: dict = {}  # member ranks -> store (MPI bootstrap)
+        self._made: dict = {}  # (group key, ranks) -> Gloo groups made under it so far
 
     @classmethod
     def unavailable_reason(cls, bootstrap):
@@ -226,7 +227,14 @@ class GlooBackend(Backend):
         return dist.ProcessGroupGloo.create_default_device()
 
     def create_comm(self, group):
-        store = dist.PrefixStore(f"g{group.key}", self.store(group))
+        # a group key can come back (torch names its groups afresh after
+        # destroy_process_group + init_process_group): each rendezvous of the same key and
+        # ranks gets its own prefix, counted alike on every member (non-members of an
+        # earlier group of that name did not count it)
+        mark = (group.key, group.ranks)
+        n = self._made[mark] = self._made.get(mark, -1) + 1
+        ranks = ",".join(map(str, group.ranks))
+        store = dist.PrefixStore(f"g{group.key}/{ranks}/{n}", self.store(group))
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._device()]
         opts._timeout = _timeout(self.rt.engine.timeout)

@@ -158,6 +158,15 @@ def get(name: str, default=None):
                                    f"({var.help.split(';')[0]})") from None
 
 
+def is_set(name: str) -> bool:
+    """Whether ``name`` is set to something (its value is parsed, so a bad one raises)."""
+    declared(name)
+    if not (os.environ.get(name) or "").strip():
+        return False
+    get(name)
+    return True
+
+
 def flag(name: str) -> bool | None:
     """A bool variable: True/False when set, its default (maybe None) when not."""
     return get(name)

@@ -38,6 +38,8 @@ class Group:
         self.comms: dict = {}  # backend name -> that backend's communicator
         self.backend: str | None = None  # default backend of calls on this group
         self.broken: BaseException | None = None  # the fault that made it unusable
+        self.timeout: float | None = None  # waits that pass none use it (a torch group's
+        # timeout=); None: the runtime's (MCRDL_TIMEOUT)
         self.seq = 0  # compressed calls made on the group: every member counts alike
         self.tag_slots: dict = {}  # tag slot -> the call in flight on it (mcrdl_core.tags)
 

@@ -50,11 +50,11 @@ import os
 import threading
 import time
 
+from . import config as _config
 from .errors import CommTimeoutError
 
 log = logging.getLogger("mcrdl.progress")
 
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class ProgressEngine:
@@ -71,8 +71,8 @@ class ProgressEngine:
         # (an NCCL op the caller's stream was made to wait on): see defer()
         self.pending: list = []
         self.rank = 0
-        self.timeout = float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT_S))
-        self.spin_s = float(os.environ.get("MCRDL_SPIN_US", 100)) * 1e-6
+        self.timeout = _config.get("MCRDL_TIMEOUT")
+        self.spin_s = _config.get("MCRDL_SPIN_US") * 1e-6
         self.oversubscribed = False  # more ranks than cores on this host: yield when idle
         # called with (unfinished works, error) when a wait runs past the runtime's own
         # timeout, before it raises: the runtime marks their groups broken (faults.py)

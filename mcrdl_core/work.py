@@ -61,27 +61,31 @@ class Work:
                 w._complete()
 
     # --- state --------------------------------------------------------------------------
+    _completing = False
+
     def add_finalizer(self, fn: Callable) -> None:
-        if self._done:
+        if self._done or self._completing:
             fn()
         else:
             self._finalizers.append(fn)
 
     def _complete(self, error: BaseException | None = None) -> None:
-        if self._done:
+        """Run the finalizers (copies back, casts, AVG's division), then mark the work
+        done: another thread that sees ``_done`` (a waiter, the progress thread firing a
+        torch future) must find the results in the caller's buffers already."""
+        if self._done or self._completing:
             return
-        self._done = True
+        self._completing = True
+        fins, self._finalizers = self._finalizers, []
+        if fins and error is None:
+            try:
+                for fn in fins:
+                    fn()
+            except BaseException as exc:  # surfaced at wait()
+                error = exc
         self._error = error
-        fins = self._finalizers
-        if fins:
-            self._finalizers = []
-            if error is None:
-                try:
-                    for fn in fins:
-                        fn()
-                except BaseException as exc:  # surfaced at wait()
-                    self._error = exc
         self.keep = ()  # the library is done with the buffers: let them go
+        self._done = True
         if self.engine is not None:
             self.engine.discard(self)
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 import time
 
@@ -57,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from mcrdl_core import config as _config
 from mcrdl_core.errors import BrokenGroupError, CommTimeoutError, McrdlError
 from mcrdl_core.progress import engine as _engine
 
@@ -85,7 +85,7 @@ def seconds(timeout) -> float | None:
     and is kept otherwise. (An explicit ``timeout=timedelta(minutes=30)`` is the same
     value and cannot be told apart.)"""
     secs = _span(timeout)
-    if secs == default_pg_timeout.total_seconds() and os.environ.get("MCRDL_TIMEOUT"):
+    if secs == default_pg_timeout.total_seconds() and _config.is_set("MCRDL_TIMEOUT"):
         return None
     return secs
 

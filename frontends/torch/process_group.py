@@ -235,6 +235,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
         self._g = group
         self._choice = parse_options(options)
         self._timeout = seconds(timeout)
+        group.timeout = self._timeout
         self._coalescing = None  # core works collected between _start/_end_coalescing
         self._gname = ""
         self._gdesc = ""
@@ -278,6 +279,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
 
     def set_timeout(self, timeout) -> None:
         self._timeout = seconds(timeout)
+        self._g.timeout = self._timeout
 
     def __repr__(self) -> str:
         return f"<McrdlProcessGroup {self._g.describe()} rank {self._g.rank}>"

@@ -73,6 +73,16 @@ def pytest_sessionfinish(session, exitstatus):
     tally["passed_ids"] = [r.nodeid for r in stats.get("passed", []) if r.when == "call"]
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump(tally, f)
+    # No rank leaves before every rank has written its tally: a process that recorded a
+    # fault (tests of timeouts do) exits without MPI_Finalize, and mpiexec then kills the
+    # ranks still running. A bounded nonblocking barrier on MPI's own world.
+    import time
+
+    from mpi4py import MPI
+
+    req, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + 300
+    while not req.Test() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def pytest_configure(config):
