@@ -39,12 +39,13 @@ def _run(cmd, timeout, env):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(1500)  # the launch has its own hard limit below
 @pytest.mark.parametrize("nranks", [1, 2, 3])
 def test_suite_under_mpiexec(nranks, tmp_path):
     assert MPIEXEC, "mpiexec not found: install the mpich extra (pip install 'mcr-dl[mpich]')"
     cmd = [MPIEXEC, "-n", str(nranks), sys.executable, "-m", "pytest", "-q", "-p",
            "no:cacheprovider", "--timeout=120", "-o", "addopts=", "."]
-    proc = _run(cmd, 480, _env(MCRDL_RESULTS_DIR=str(tmp_path)))
+    proc = _run(cmd, 1200, _env(MCRDL_RESULTS_DIR=str(tmp_path)))
     out = proc.stdout + proc.stderr
     tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     print(f"{nranks} ranks: " + "; ".join(f"rank {r}: {t['passed']} passed, {t['failed']} failed, "
