@@ -263,7 +263,8 @@ class ProgressEngine:
         others = [repr(x) for x in self.inflight if x is not w][:8]
         return (
             f"mcrdl: rank {self.rank}: {w.op} on {group} via backend '{w.backend}' "
-            f"{w.desc + ' ' if w.desc else ''}did not complete within {timeout:g} s. "
+            f"{w.desc + ' ' if w.desc else ''}did not complete within {timeout:g} s: Timed out "
+            "waiting for peers. "
             f"Other work in flight on this rank: {others or 'none'}. "
             "Most likely a rank of the group did not make the matching call, or made it "
             "with another size, root or backend: run with MCRDL_DEBUG=1 to check the "
