@@ -23,11 +23,21 @@ exception`` (SIGABRT), replacing the Python exception's exit status (a Gloo
 rendezvous that timed out: 2 exits in 9 aborted so before this module, 0 in 22 since;
 docs/reliability.md).
 
-At exit (:func:`_at_exit`, registered when the runtime is created), if a fault was
-recorded: helper threads still alive get the rest of the grace; then, as a last resort
-and only after the error was reported (raised, and printed if uncaught), the process
-leaves with ``os._exit(status)`` if a helper thread is still inside a library or MPI is
-initialized. MPICH's ``MPI_Finalize`` never returns once a peer has died (measured: a
+At exit (:func:`_at_exit`, registered when the runtime is created), every rank of an
+MPI launch of 2+ processes first meets the others in a bounded nonblocking barrier on
+``MPI.COMM_WORLD`` (:func:`_exit_barrier`; MCR-DL issues no collective of its own on
+that communicator, its groups use duplicates). That costs nothing where all ranks end
+together (MPICH's ``MPI_Finalize`` waits for every rank anyway) and tells a rank whether
+all its peers are alive and at their exit. If a fault was recorded: helper threads
+still alive get the rest of the grace; if every peer reached the barrier within
+:data:`GRACE_S` and no helper thread is stuck, the exit is the normal one (MPICH's
+``MPI_Finalize`` returns with unmatched requests left over when the peers are alive).
+Otherwise, as a last resort and only after the error was reported (raised, and printed
+if uncaught), the process leaves with ``os._exit(status)`` if a helper thread is still
+inside a library or MPI is initialized. Why the barrier: hydra (MPICH's ``mpiexec``)
+kills every rank still running when one exits without ``MPI_Finalize``, and reports the
+job as failed (exit 9); a rank that had an expected, handled fault and left first so
+failed whole jobs whose every rank succeeded (seen once in CI). MPICH's ``MPI_Finalize`` never returns once a peer has died (measured: a
 rank that ends with ``os._exit(1)`` under ``mpiexec -disable-auto-cleanup`` leaves the
 others in ``MPI_Finalize`` until the job is killed), and a fault cannot tell a dead
 peer from a slow one. ``status`` is 1 when an exception reached the top level
@@ -148,12 +158,37 @@ def _mpi_initialized() -> bool:
         return False
 
 
+def _exit_barrier(budget: float) -> bool:
+    """Every rank of ``MPI.COMM_WORLD`` (2+ processes) at its exit within ``budget``
+    seconds; False also where MPI cannot tell (a broken MPI must not stop the exit)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        world = mpi.COMM_WORLD
+        if world.Get_size() < 2:
+            return True
+        req, deadline = world.Ibarrier(), time.monotonic() + budget
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+    except Exception:
+        return False
+
+
 def _at_exit() -> None:
-    if not _faults or not _config.get("MCRDL_EXIT_GUARD"):
+    if not _config.get("MCRDL_EXIT_GUARD"):
+        return
+    mpi = _mpi_initialized()
+    if not _faults:
+        if mpi:  # the peers with a fault wait for this rank here (see the module doc)
+            _exit_barrier(2 * GRACE_S + 1.0)
         return
     alive = _join([t for t in _stuck_threads if t.is_alive()], GRACE_S)
-    mpi = _mpi_initialized()
     if not alive and not mpi:
+        return
+    if mpi and _exit_barrier(GRACE_S) and not alive:
+        log.info("mcrdl: every rank reached its exit after %s; finalizing normally", _faults[0])
         return
     status = 1 if _state["uncaught"] else 0
     why = []
