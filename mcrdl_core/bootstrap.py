@@ -22,6 +22,12 @@ name; under torchrun the host names gathered through the store), ``hosts`` lists
 distinct hosts in rank order, ``hosts_in(ranks)`` counts the hosts a set of ranks spans
 (tuning tables are keyed by ranks and hosts). On an emulated cluster (``mcrdl cluster``)
 ``cluster_info()`` returns what its environment says (name, link rate, delay).
+
+Liveness: with the host names every rank sends :func:`process_identity` (the kernel's
+boot id, the PID namespace and its process id). ``exited(ranks)`` names the ranks whose
+process ran on this same kernel and PID namespace (so its pid means the same thing here)
+and is gone: what lets a wait notice a dead peer on the same machine at once instead of
+at the timeout (``Runtime.peers_gone``). Ranks on other machines cannot be probed so.
 """
 from __future__ import annotations
 
@@ -59,9 +65,13 @@ class Bootstrap:
     local_rank = 0  # this rank's position among them (a GPU index: local_rank % devices)
     mpi_reason = "mpi4py is not installed (pip install 'mcr-dl[mpich]')"
     host_of: tuple = ()  # host name of every rank, by rank
+    proc_of: tuple = ()  # process_identity() of every rank, by rank
 
-    def _set_hosts(self, names) -> None:
-        """Topology from every rank's host name (index: rank)."""
+    def _set_hosts(self, entries) -> None:
+        """Topology and liveness probes from every rank's (host name, process identity)
+        (index: rank)."""
+        names = [name for name, _ in entries]
+        self.proc_of = tuple(ident for _, ident in entries)
         self.host_of = tuple(names)
         self.all_local = len(set(names)) == 1
         self.local_size = names.count(names[self.rank])
@@ -112,6 +122,43 @@ class Bootstrap:
     def hostname(self) -> str:
         return socket.gethostname()
 
+    def exited(self, ranks) -> list[int]:
+        """The global ``ranks`` (not this one) whose process ran on this machine, in this
+        PID namespace, and has ended (or is a zombie); ranks elsewhere count as alive."""
+        mine = self.proc_of[self.rank] if self.proc_of else None
+        if mine is None:
+            return []
+        gone = []
+        for r in ranks:
+            ident = self.proc_of[r]
+            if r != self.rank and ident is not None and ident[:2] == mine[:2] \
+                    and not _pid_alive(ident[2]):
+                gone.append(r)
+        return gone
+
+
+def process_identity():
+    """(boot id, PID namespace, pid) of this process, or None where /proc cannot say
+    (not Linux): two processes with equal first parts can probe each other's pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return (boot, os.stat("/proc/self/ns/pid").st_ino, os.getpid())
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: its /proc entry exists and it is not a
+    zombie or dead (state Z/X, after the last ')' of /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3]
+    return state not in (b"Z", b"X", b"x")
+
 
 class MPIBootstrap(Bootstrap):
     kind = "mpi"
@@ -128,7 +175,7 @@ class MPIBootstrap(Bootstrap):
         self.comm = mpi_setup.dup(MPI.COMM_WORLD, what="bootstrap")  # private: set-up
         self.rank = self.comm.Get_rank()                             # traffic only
         self.size = self.comm.Get_size()
-        self._set_hosts(self.allgather(MPI.Get_processor_name()))
+        self._set_hosts(self.allgather((MPI.Get_processor_name(), process_identity())))
         self._subs: dict = {}  # rank tuple -> sub-communicator of self.comm
 
     def bcast(self, obj, root: int = 0):
@@ -178,7 +225,7 @@ class EnvBootstrap(Bootstrap):
         self.store = store_factory(self)
         self._seq = 0
         self._group_seq: dict = {}
-        self._set_hosts(self.allgather(socket.gethostname()))
+        self._set_hosts(self.allgather((socket.gethostname(), process_identity())))
 
     def _key(self) -> str:
         self._seq += 1

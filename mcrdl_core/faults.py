@@ -56,7 +56,7 @@ import threading
 import time
 
 from . import config as _config
-from .errors import CommFailedError, McrdlError
+from .errors import CommFailedError, CommTimeoutError, McrdlError
 
 log = logging.getLogger("mcrdl.faults")
 
@@ -79,7 +79,10 @@ def _record(error: BaseException) -> None:
 
 def timed_out(works, error: BaseException) -> None:
     """Called by the progress engine for the unfinished ``works`` of a wait that ran
-    past the runtime's timeout, just before it raises ``error``."""
+    past the runtime's timeout, or that can no longer complete (a peer gone: ``error``
+    is then not a CommTimeoutError, and the helper threads are not waited for here, as
+    their library may only give up at its own timeout; the exit waits for them),
+    just before it raises ``error``."""
     global runtime_fault
     for w in works:
         g = getattr(w, "group", None)
@@ -94,7 +97,8 @@ def timed_out(works, error: BaseException) -> None:
             w.engine.discard(w)
         _abandoned.append(w)
     _record(error)
-    _join(_stuck_threads, GRACE_S)
+    if isinstance(error, CommTimeoutError):  # their library times out 1 s later
+        _join(_stuck_threads, GRACE_S)
 
 
 def work_failed(work) -> BaseException:

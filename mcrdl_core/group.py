@@ -55,12 +55,18 @@ class Group:
         if self.broken is None:
             self.broken = error
 
-    def raise_broken(self):
-        """Raise BrokenGroupError for a call on this broken group."""
-        raise BrokenGroupError(
+    def broken_error(self) -> BrokenGroupError:
+        """The BrokenGroupError for a call on (or a wait for work of) this broken group."""
+        err = BrokenGroupError(
             f"{self.describe()} is unusable since an earlier call on it failed: "
             f"{self.broken}. Its communicators may hold unmatched operations, so nothing "
-            "more is sent on it: end the job (every rank gets an error)") from self.broken
+            "more is sent on it: end the job (every rank gets an error)")
+        err.__cause__ = self.broken
+        return err
+
+    def raise_broken(self):
+        """Raise BrokenGroupError for a call on this broken group."""
+        raise self.broken_error()
 
     @property
     def is_member(self) -> bool:

@@ -42,6 +42,13 @@ Timeouts. A wait without an explicit timeout uses the runtime's own: the shortes
 ``timeout=``), else ``MCRDL_TIMEOUT``. A wait past the runtime's own timeout breaks the
 groups of its unfinished works (``on_timeout``); a shorter deadline a caller passes
 leaves them in flight, to be waited again.
+
+Sooner than the timeout. Every :data:`CHECK_S` seconds of a wait the engine asks its
+``peer_check`` hook (the runtime's ``peers_gone``) whether the unfinished works can
+still complete: not if a group of theirs was broken meanwhile by another work (a Gloo
+connection a dead peer closed, another thread's timeout), nor if a member's process on
+this machine has ended. Then the wait raises that error at once, and the groups are
+marked broken as for a timeout.
 """
 from __future__ import annotations
 
@@ -55,6 +62,8 @@ from .errors import CommTimeoutError
 
 log = logging.getLogger("mcrdl.progress")
 
+#: seconds between two ``peer_check`` calls of a wait (the first after as long)
+CHECK_S = 0.25
 
 
 class ProgressEngine:
@@ -77,6 +86,9 @@ class ProgressEngine:
         # called with (unfinished works, error) when a wait runs past the runtime's own
         # timeout, before it raises: the runtime marks their groups broken (faults.py)
         self.on_timeout = None
+        # called with the unfinished works every CHECK_S s of a wait: an error that says
+        # they cannot complete (a dead peer, a group broken meanwhile), or None
+        self.peer_check = None
 
     def configure(self, local_ranks: int) -> None:
         """Tell the engine how many ranks share this host (the runtime does, at init)."""
@@ -210,6 +222,7 @@ class ProgressEngine:
         spin_until = start + self.spin_s
         yield_until = start + 0.002
         nap = 1e-5
+        check_at = start + CHECK_S
         while True:
             if poll_lock.acquire(False):
                 try:
@@ -224,6 +237,14 @@ class ProgressEngine:
                 if own_timeout and self.on_timeout is not None:
                     self.on_timeout([w for w in pending if not w._done], err)
                 raise err
+            if now > check_at and self.peer_check is not None:
+                check_at = now + CHECK_S
+                unfinished = [w for w in pending if not w._done]
+                err = self.peer_check(unfinished)
+                if err is not None:
+                    if self.on_timeout is not None:
+                        self.on_timeout(unfinished, err)
+                    raise err
             if now < spin_until:
                 continue
             if any(w.host_progress for w in self.inflight):

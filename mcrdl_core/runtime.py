@@ -21,8 +21,8 @@ from . import config as _config
 from . import faults as _faults
 from .backend import backend_class
 from .dtypes import dtype_class
-from .errors import (BackendUnavailableError, BrokenGroupError, InvalidArgumentError,
-                     NotInitializedError, UnsupportedError)
+from .errors import (BackendUnavailableError, BrokenGroupError, CommFailedError,
+                     InvalidArgumentError, NotInitializedError, UnsupportedError)
 from .group import Group
 from .logger import logger as comm_logger
 from .progress import engine as _engine
@@ -38,6 +38,7 @@ class Runtime:
         on the store torch hands it), else the launcher's (``bootstrap.create``)."""
         self.engine = _engine()
         self.engine.on_timeout = self._timed_out
+        self.engine.peer_check = self.peers_gone
         _faults.install_exit_guard()
         if timeout is not None:
             self.engine.timeout = float(timeout)
@@ -258,6 +259,29 @@ class Runtime:
                 f"the MCR-DL runtime of this process is unusable since a set-up exchange "
                 f"failed: {_faults.runtime_fault}. End the job (every rank gets an error) and "
                 "check that every rank makes the same calls") from _faults.runtime_fault
+
+    def peers_gone(self, works):
+        """The error that says ``works`` (unfinished, in a wait) can no longer complete,
+        or None: a group of theirs was broken meanwhile by another work (a library
+        error, another thread's timeout), or a member whose process ran on this machine
+        has ended (``Bootstrap.exited``). The engine asks every ``progress.CHECK_S`` s
+        of a wait. Peers on other machines are seen only through their libraries (a
+        closed Gloo connection) or at the timeout (docs/reliability.md)."""
+        for w in works:
+            g = w.group
+            if not isinstance(g, Group):
+                continue
+            if g.broken is not None:
+                return g.broken_error()
+            dead = self.bootstrap.exited(g.ranks)
+            if dead:
+                return CommFailedError(
+                    f"mcrdl: rank {self.rank}: {w.op} on {g.describe()} via backend "
+                    f"'{w.backend}' {w.desc + ' ' if w.desc else ''}cannot complete: "
+                    f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of the "
+                    "group ran on this machine and has exited. The group is unusable now; "
+                    "check that rank's output for why it ended.")
+        return None
 
     def _timed_out(self, works, error) -> None:
         """The engine's hook for a wait past the runtime's timeout (see faults.py): a

@@ -2,6 +2,7 @@
 process group), so torch code that asks for one works: ``_get_backend(cpu)``,
 ``_get_pg_default_device`` and ``torch.distributed.checkpoint.async_save``
 (which failed with "A CPU backend must be enabled")."""
+import shutil
 import tempfile
 
 import pytest
@@ -42,5 +43,10 @@ def test_dcp_async_save(world):
     dcp.async_save(state, checkpoint_id=root[0]).result()
     tdist.barrier()
     back = {"w": torch.zeros(4), "step": torch.tensor(0)}
-    dcp.load(back, checkpoint_id=root[0])
-    assert int(back["step"]) == 3
+    try:
+        dcp.load(back, checkpoint_id=root[0])
+        assert int(back["step"]) == 3
+    finally:
+        tdist.barrier()  # every rank has read it before rank 0 removes it
+        if RANK == 0:
+            shutil.rmtree(root[0], ignore_errors=True)
