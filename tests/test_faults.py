@@ -3,7 +3,7 @@ tuning tables and unwaited async work, at 2 ranks under mpiexec. Each launch has
 timeout (a hang fails the test), and every case is checked on the surviving ranks: the
 right exception, within MCRDL_TIMEOUT plus a margin (tests/faults/plan.py has the plan,
 tests/faults/job.py the cases; tests/faults/table.py prints docs/reliability.md's table).
-Launches run three at a time: they mostly wait on timeouts, so this keeps the file's
+Launches run four at a time: they mostly wait on timeouts, so this keeps the file's
 wall time near its longest launch."""
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +21,7 @@ _RESULTS: dict = {}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("faults"))
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         done = list(pool.map(lambda launch: plan.run(launch, tmp), LAUNCHES))
     return {r.launch.name: r for r in done}
 
