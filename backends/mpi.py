@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from itertools import accumulate
 import zlib
 
 import numpy as np
@@ -98,6 +99,37 @@ class _FastWork(MPIWork):
 
     def _poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
+
+
+class _FastRecvWork(_FastWork):
+    """A receive of the fast path: polled with its status (the source it reports)."""
+
+    def _poll(self) -> bool:
+        return self.req.Test(self.status)
+
+    def source(self) -> int:
+        return self.status.Get_source()
+
+
+class _RecvRequest:
+    """An ``Irecv`` request and its status: ``Test()`` fills the status; ``source()``
+    is the sender's rank in the group once complete."""
+
+    __slots__ = ("req", "status")
+
+    def __init__(self, req, status):
+        self.req, self.status = req, status
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's name, what the fast path calls)
+        return self.req.Test(self.status)
+
+    def source(self) -> int:
+        return self.status.Get_source()
+
+
+def _displs(counts) -> list:
+    """Displacements of consecutive blocks of ``counts`` elements."""
+    return [0, *accumulate(counts[:-1])]
 
 
 def _overlap(a: Buffer, b: Buffer) -> bool:
@@ -338,13 +370,91 @@ class MPIBackend(Backend):
 
         return issue
 
-    def work_of(self, op, group, req, ptr, nbytes, owner):
-        """The Work of a request the fast path issued on ``nbytes`` at ``ptr`` (``owner``
-        keeps the memory alive), made without the constructor: about 0.4 µs less."""
-        w = _FastWork.__new__(_FastWork)
+    def fast_issuer(self, op, group, dtype, red=None, root=None):
+        """An issuer of ``op`` on host memory given by address, bound once to the group's
+        communicator, datatype, op and root (``mcrdl_core.fastpath``); None where this
+        backend needs more than one MPI call (16-bit float and AVG reductions finish on
+        the host) or the dtype has no MPI type. Arguments and MPI calls by op:
+
+        - broadcast, reduce: ``(ptr, count)``; ``Ibcast``, ``Ireduce`` (in place at the root)
+        - all_gather: ``(out, inp, count)``, ``count`` per rank; ``Iallgather``
+        - reduce_scatter: ``(out, inp, count)``, ``count`` per rank; ``Ireduce_scatter_block``
+        - all_to_all: ``(out, inp, count)`` per peer (``Ialltoall``); with ``root="v"``
+          ``(out, inp, out_counts, in_counts)`` (``Ialltoallv``)
+        - send, recv: ``(ptr, count, group rank or None, tag)``; a receive's request also
+          tells its source (``source()``)
+        - barrier: ``()``; ``Ibarrier``
+        """
+        if dtype is not None and dtype not in _TYPES:
+            return None
+        if red is not None and (dtype.is_half or red is ReduceOp.AVG):
+            return None
+        comm = self.comm(group)
+        if op is Op.BARRIER:
+            return comm.Ibarrier
+        mtype, isz = _TYPES[dtype], dtype.itemsize
+        mem = MPI.buffer.fromaddress
+
+        def spec(ptr, count):
+            return [mem(ptr if count else 0, count * isz), count, mtype]
+
+        n = group.size
+        if op is Op.BROADCAST:
+            ibcast = comm.Ibcast
+            return lambda ptr, count: ibcast(spec(ptr, count), root)
+        if op is Op.REDUCE:
+            ireduce, mop = comm.Ireduce, _OPS[red]
+            if group.rank == root:
+                in_place = MPI.IN_PLACE
+                return lambda ptr, count: ireduce(in_place, spec(ptr, count), mop, root)
+            return lambda ptr, count: ireduce(spec(ptr, count), None, mop, root)
+        if op is Op.ALL_GATHER:
+            iallgather = comm.Iallgather
+            return lambda out, inp, count: iallgather(
+                spec(inp, count), [mem(out if count else 0, n * count * isz), count, mtype])
+        if op is Op.REDUCE_SCATTER:
+            irs, mop = comm.Ireduce_scatter_block, _OPS[red]
+            return lambda out, inp, count: irs(
+                [mem(inp if count else 0, n * count * isz), count, mtype], spec(out, count), mop)
+        if op is Op.ALL_TO_ALL and root == "v":
+            ialltoallv = comm.Ialltoallv
+
+            def issue_v(out, inp, out_counts, in_counts):
+                in_total, out_total = sum(in_counts), sum(out_counts)
+                return ialltoallv(
+                    [mem(inp if in_total else 0, in_total * isz), (in_counts, _displs(in_counts)),
+                     mtype],
+                    [mem(out if out_total else 0, out_total * isz),
+                     (out_counts, _displs(out_counts)), mtype])
+            return issue_v
+        if op is Op.ALL_TO_ALL:
+            ialltoall = comm.Ialltoall
+            return lambda out, inp, count: ialltoall(
+                [mem(inp if count else 0, n * count * isz), count, mtype],
+                [mem(out if count else 0, n * count * isz), count, mtype])
+        if op is Op.SEND:
+            isend = comm.Isend
+            return lambda ptr, count, peer, tag: isend(spec(ptr, count), peer, tag)
+        if op is Op.RECV:
+            irecv, any_source = comm.Irecv, MPI.ANY_SOURCE
+
+            def issue_recv(ptr, count, peer, tag):
+                status = MPI.Status()
+                req = irecv(spec(ptr, count), any_source if peer is None else peer, tag)
+                return _RecvRequest(req, status)
+            return issue_recv
+        return None
+
+    def fast_work(self, op, group, req, spans, keep):
+        """The Work of a request an issuer of ``fast_issuer`` made, without the
+        constructor (``keep``: what keeps the memory alive)."""
+        if req.__class__ is _RecvRequest:
+            w = _FastRecvWork.__new__(_FastRecvWork)
+            w.status, w._result, req = req.status, None, req.req
+        else:
+            w = _FastWork.__new__(_FastWork)
         w.op, w.group, w._finalizers, w._done, w.engine = op, group, [], False, None
-        w.req, w.keep = req, (owner,)
-        w.spans = ((ptr, ptr + nbytes, True),)
+        w.req, w.keep, w.spans = req, keep, spans
         return w
 
     def barrier(self, group):

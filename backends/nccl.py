@@ -332,6 +332,7 @@ class NCCLWork(EventWork):
 
 
 class NCCLBackend(Backend):
+    grouped_p2p = True  # batch_p2p: groupStart/groupEnd
     name = "nccl"
     devices = ("cuda",)
 

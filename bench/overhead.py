@@ -1,7 +1,14 @@
-"""What MCR-DL adds per all-reduce over calling mpi4py (and mpi4jax) directly.
+"""What MCR-DL adds per call over calling mpi4py (and mpi4jax) directly.
 
 Run (2 ranks; from the checkout):
-    MCRDL_TUNING_TABLE=none mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R]
+    MCRDL_TUNING_TABLE=none mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R] [--table ops|all_reduce|both]
+
+Every op (``--table ops``): all_reduce, broadcast, reduce, all_gather_into_tensor,
+reduce_scatter_tensor, all_to_all_single (even, and by split sizes), an isend/irecv ring
+and barrier through ``mcrdl_torch`` with ``backend="mpi"``, blocking and async + wait,
+each interleaved with the same blocking mpi4py call (the ring: Irecv + Isend + Waitall).
+
+The all-reduce table (``--table all_reduce``):
 
 float32 SUM all-reduce of 8 B, 1 KiB and 64 KiB. Every path runs in batches of
 ``--calls`` back-to-back calls, interleaved with the others in the rounds of a Williams
@@ -97,11 +104,97 @@ def paths_for(nbytes: int, n: int) -> dict:
     }
 
 
+def _wait_all(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def op_paths(nbytes: int, n: int, rank: int) -> dict:
+    """{op: (raw mpi4py call, mcrdl_torch blocking call, mcrdl_torch async + wait)} for
+    every op of the issue list, float32 of ``nbytes`` per rank's block, backend="mpi"
+    (the same library underneath: the difference is MCR-DL's own cost)."""
+    c = max(nbytes // 4, 1)
+    SUM, IN_PLACE = MPI.SUM, MPI.IN_PLACE
+    a, b = np.ones(c, np.float32), np.ones(c * n, np.float32)
+    big_in, big_out = np.ones(c * n, np.float32), np.ones(c * n, np.float32)
+    t, tb = torch.ones(c), torch.ones(c * n)
+    tin, tout = torch.ones(c * n), torch.ones(c * n)
+    counts = [c] * n
+    displs = [i * c for i in range(n)]
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    ra, sa = np.ones(c, np.float32), np.ones(c, np.float32)
+    rt_, st_ = torch.ones(c), torch.ones(c)
+    splits = [1] * n  # rows of c elements: the uneven (split-sizes) form of the same call
+    tin2, tout2 = torch.ones(n, c), torch.ones(n, c)
+
+    def raw_reduce():
+        if rank == 0:
+            COMM.Reduce(IN_PLACE, a, SUM, 0)
+        else:
+            COMM.Reduce(a, None, SUM, 0)
+
+    def raw_ring():
+        MPI.Request.Waitall([COMM.Irecv(ra, prv, 7), COMM.Isend(sa, nxt, 7)])
+
+    def ring(async_op):
+        return lambda: _wait_all([dist.irecv(rt_, prv, tag=7, backend="mpi"),
+                                  dist.isend(st_, nxt, tag=7, backend="mpi")])
+
+    def both(call):
+        return (lambda: call(False), lambda: call(True).wait())
+
+    return {
+        "all_reduce": (lambda: COMM.Allreduce(IN_PLACE, a, SUM),
+                       *both(lambda x: dist.all_reduce(t, backend="mpi", async_op=x))),
+        "broadcast": (lambda: COMM.Bcast(a, 0),
+                      *both(lambda x: dist.broadcast(t, 0, backend="mpi", async_op=x))),
+        "reduce": (raw_reduce, *both(lambda x: dist.reduce(t, 0, backend="mpi", async_op=x))),
+        "all_gather_into_tensor": (lambda: COMM.Allgather(a, b), *both(
+            lambda x: dist.all_gather_into_tensor(tb, t, backend="mpi", async_op=x))),
+        "reduce_scatter_tensor": (lambda: COMM.Reduce_scatter_block(big_in, a, SUM), *both(
+            lambda x: dist.reduce_scatter_tensor(t, tin, backend="mpi", async_op=x))),
+        "all_to_all_single": (lambda: COMM.Alltoall(big_in, big_out), *both(
+            lambda x: dist.all_to_all_single(tout, tin, backend="mpi", async_op=x))),
+        "all_to_all_single (splits)": (
+            lambda: COMM.Alltoallv([big_in, (counts, displs), MPI.FLOAT],
+                                   [big_out, (counts, displs), MPI.FLOAT]),
+            *both(lambda x: dist.all_to_all_single(tout2, tin2, splits, splits, backend="mpi",
+                                                   async_op=x))),
+        "isend/irecv ring": (raw_ring, ring(True), ring(True)),
+        "barrier": (COMM.Barrier, *both(lambda x: dist.barrier(backend="mpi", async_op=x))),
+    }
+
+
+def every_op(args, n: int) -> None:
+    """The per-op table: raw mpi4py, mcrdl_torch blocking, and async + wait, interleaved."""
+    rank = dist.get_rank()
+    for nbytes in (int(s) for s in args.sizes.split(",")):
+        paths = op_paths(nbytes, n, rank)
+        fns = [f for trio in paths.values() for f in trio]
+        for fn in fns:
+            for _ in range(5):
+                fn()
+        times = interleaved_batches(fns, [args.calls] * len(fns), args.rounds)
+        med = [statistics.median(times[i]) * 1e6 for i in range(len(fns))]
+        if rank == 0:
+            print(f"\n{nbytes} B float32 per rank, {n} ranks, {times.shape[1]} rounds, backend "
+                  "'mpi', median per call (slowest rank), µs:")
+            print(f"{'op':28s} {'mpi4py':>8s} {'mcrdl':>8s} {'added':>8s} {'async':>8s} "
+                  f"{'added':>8s}")
+            for j, op in enumerate(paths):
+                raw, ours, asy = med[3 * j:3 * j + 3]
+                print(f"{op:28s} {raw:8.2f} {ours:8.2f} {ours - raw:+8.2f} {asy:8.2f} "
+                      f"{asy - raw:+8.2f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300, help="calls per batch (jit: programs / 20)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--sizes", default="8,1024,65536", help="message sizes in bytes")
+    ap.add_argument("--table", choices=["all_reduce", "ops", "both"], default="both",
+                    help="all_reduce: every frontend's all-reduce (JAX too); ops: every op "
+                         "through mcrdl_torch against its raw mpi4py call")
     args = ap.parse_args()
     dist.init_process_group()
     rt = mcrdl_core.get_runtime()
@@ -109,7 +202,9 @@ def main():
     rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
         {"op": "all_reduce", "world_size": n, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
          "dtype_class": "float", "ranges": [[None, "mpi"]]}]}, "<overhead benchmark>"))
-    for nbytes in (int(s) for s in args.sizes.split(",")):
+    if args.table in ("ops", "both"):
+        every_op(args, n)
+    for nbytes in (int(s) for s in args.sizes.split(",")) if args.table != "ops" else ():
         paths = paths_for(nbytes, n)
         names = list(paths)
         fns = [paths[k][0] for k in names]

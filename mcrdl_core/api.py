@@ -92,6 +92,11 @@ def _scatter_into(tmp: Buffer, outs) -> None:
 # --- point to point ------------------------------------------------------------------------
 def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, backend=None):
     buf = _v.input(tensor, "tensor")
+    if buf.device.kind == "cpu":
+        done = _fast.send(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, dst, tag, group,
+                          async_op, backend, buf)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, _ = _prepare(Op.SEND, group, buf, backend)
     peer = g.group_rank(dst, "dst")
     spans = rt.order(reads=(buf,), keep=async_op)
@@ -103,6 +108,11 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
     """Receive into ``tensor``. Blocking: returns the sender's global rank; async: a Work
     whose ``result()`` is that rank. ``src=None`` receives from any rank."""
     buf = _v.output(tensor, "tensor")
+    if buf.device.kind == "cpu":
+        done = _fast.recv(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, src, tag, group,
+                          async_op, backend, buf)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, _ = _prepare(Op.RECV, group, buf, backend)
     peer = None if src is None else g.group_rank(src, "src")
     spans = rt.order(writes=(buf,), keep=async_op)
@@ -123,6 +133,11 @@ def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None
 # --- rooted and symmetric collectives ------------------------------------------------------
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
     buf = _v.output(tensor, "tensor")
+    if buf.device.kind == "cpu":
+        done = _fast.broadcast(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, src, group,
+                               async_op, backend, buf)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, _ = _prepare(Op.BROADCAST, group, buf, backend)
     root = g.group_rank(src, "src")
     if rt.debug:
@@ -134,6 +149,11 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
            backend=None):
     buf = _v.output(tensor, "tensor")
+    if buf.device.kind == "cpu":
+        done = _fast.reduce(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, dst, op, group,
+                            async_op, backend, buf)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, op = _prepare(Op.REDUCE, group, buf, backend, op)
     root = g.group_rank(dst, "dst")
     if rt.debug:
@@ -170,6 +190,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     out = _v.output(output_tensor, "output_tensor")
     inp = _v.input(input_tensor, "input_tensor")
     _v.same_kind([out, inp], "all_gather_into_tensor")
+    if compression is None and inp.device.kind == "cpu":
+        done = _fast.all_gather(get_runtime(), out.ptr, out.numel, inp.ptr, inp.numel, inp.dtype,
+                                (out, inp), group, async_op, backend, inp)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
     _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
     cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
@@ -211,6 +236,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     out = _v.output(output, "output")
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "reduce_scatter_tensor")
+    if compression is None and out.device.kind == "cpu":
+        done = _fast.reduce_scatter(get_runtime(), out.ptr, out.numel, inp.ptr, inp.numel,
+                                    out.dtype, (out, inp), op, group, async_op, backend, out)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
     _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
     cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
@@ -253,6 +283,13 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "all_to_all_single")
     rt = get_runtime()
+    if compression is None and inp.device.kind == "cpu":
+        done = _fast.all_to_all(rt, out.ptr, out.numel, out.shape[0] if out.shape else 1,
+                                inp.ptr, inp.numel, inp.shape[0] if inp.shape else 1, inp.dtype,
+                                (out, inp), output_split_sizes, input_split_sizes, group,
+                                async_op, backend, inp)
+        if done is not _fast.MISS:
+            return done
     g = rt.group(group)
     out_counts = _v.splits(output_split_sizes, out, g.size, "output_split_sizes")
     in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
@@ -368,6 +405,10 @@ def barrier(group=None, async_op: bool = False, backend=None):
 
     rt = get_runtime()
     probe = barrier_probe(rt, rt.group(group), backend)
+    if probe.device.kind == "cpu":
+        done = _fast.barrier(rt, group, async_op, backend, probe)
+        if done is not _fast.MISS:
+            return done
     rt, g, be, _ = _prepare(Op.BARRIER, group, probe, backend)
     if rt.debug:
         _debug.check(rt, g, Op.BARRIER, be, probe)

@@ -6,6 +6,8 @@ op returns a :class:`Work` without blocking. Whatever a backend cannot do native
 builds from its own library's primitives, never by quietly calling another backend.
 
 Adding a backend is one new module plus a ``register_backend(name, "module:Class")``.
+The ops below are required; the methods under "optional" have a default that says the
+backend does not offer the feature, and the core calls them directly (no ``getattr``).
 """
 from __future__ import annotations
 
@@ -108,3 +110,43 @@ class Backend:
     def gather(self, group, out, inp, root): raise NotImplementedError
     def scatter(self, group, out, inp, root): raise NotImplementedError
     def barrier(self, group): raise NotImplementedError
+
+    # --- optional: features the core uses where a backend offers them -----------------
+    #: True if ``batch_p2p`` issues several sends and receives as one group, ordered on
+    #: a stream (NCCL's groupStart/groupEnd); point-to-point schedules then skip
+    #: pre-posting receives (``p2p.py``, ``compress/schedule.py``)
+    grouped_p2p: bool = False
+
+    def batch_p2p(self, group, sends, recvs):
+        """One Work for ``sends`` [(buf, group rank, tag)] and ``recvs`` (same shape),
+        issued as a group. Only called where ``grouped_p2p`` is True."""
+        raise NotImplementedError
+
+    def cuda_call(self, op, fn, group, args):
+        """Run ``fn(*args)`` (one of the ops above) for CUDA buffers on a backend whose
+        library works on host memory or device pointers: ``cuda.cuda_dispatch`` routes
+        the ops of a backend with "cuda" in ``devices`` here (device pointers after the
+        producer's stream, or staging through host memory)."""
+        raise NotImplementedError
+
+    def fast_all_reduce(self, group, dtype, op):
+        """An issuer ``issue(mem, count) -> request`` of an in-place all-reduce on host
+        memory for the fast path (``fastpath.py``), or None: the default, the general
+        path then runs every call."""
+        return None
+
+    def fast_issuer(self, op, group, dtype, red=None, root=None):
+        """An issuer of ``op`` on host memory given by address for the fast path (see
+        ``MPIBackend.fast_issuer`` for the arguments of each op), or None: the default,
+        the general path then runs every call of the key."""
+        return None
+
+    def fast_work(self, op, group, req, spans, keep):
+        """The Work of a request an issuer made (``spans``: the memory it reads and
+        writes; ``keep``: what keeps that memory alive). Needed with ``fast_issuer``."""
+        raise NotImplementedError
+
+    def work_of(self, op, group, req, ptr, nbytes, owner):
+        """The Work of a request ``fast_all_reduce``'s issuer made, in place on
+        ``nbytes`` at ``ptr``. Needed with ``fast_all_reduce``."""
+        return self.fast_work(op, group, req, ((ptr, ptr + nbytes, True),), (owner,))

@@ -64,7 +64,7 @@ def batch_isend_irecv(p2p_op_list, backend: str | None = None) -> list:
     works: list = [None] * len(plan)
     grouped: dict = {}  # backend -> indices of its ops
     for i, (be, o, buf, peer) in enumerate(plan):
-        if hasattr(be, "batch_p2p"):
+        if be.grouped_p2p:
             grouped.setdefault(be, []).append(i)
         elif o.is_send:
             works[i] = be.send(g, buf, peer, o.tag)

@@ -356,7 +356,7 @@ def case_batch_p2p(ctx, dtype, count, tag):
     """``batch_p2p`` (optional: backends with a grouped form): to both neighbours and
     from both, receives listed before sends would deadlock if issued one by one."""
     be, n, me = ctx.be, ctx.n, ctx.me
-    if not hasattr(be, "batch_p2p"):
+    if not be.grouped_p2p:
         pytest.skip(f"{be.name} has no batch_p2p (the core issues a batch op by op)")
     if n < 2:
         pytest.skip("point-to-point needs 2 ranks in the group")

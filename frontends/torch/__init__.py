@@ -26,7 +26,11 @@ import mcrdl_core as _core
 from mcrdl_core import Group, ReduceOp, Work  # noqa: F401  (public names)
 from mcrdl_core.errors import InvalidArgumentError
 
+from mcrdl_core import fastpath as _fp
+from mcrdl_core.runtime import get_runtime as _rt
+
 from .tensors import MISS as _MISS
+from .tensors import facts as _facts
 from .tensors import fast_all_reduce as _fast_all_reduce
 from .tensors import to_buffer as _b
 from .tensors import to_buffers as _bs
@@ -90,24 +94,49 @@ def available_backends() -> dict:
 
 
 # --- point to point ------------------------------------------------------------------------
+# Each call first tries the core's fast path on the tensors' facts (plain contiguous CPU
+# tensors, a memoized key, nothing in the way: mcrdl_core/fastpath.py); a MISS takes the
+# general path, which checks everything, raises its errors and fills the memo.
+def _p2p(fast, general, tensor, peer, group, tag, async_op, backend):
+    f = _facts(tensor)
+    if f is not None:
+        done = fast(_rt(), f[0], f[1], f[2], tensor, peer, tag, group, async_op, backend)
+        if done is not _MISS:
+            return done
+    return general(_b(tensor), peer, group, tag, async_op, backend)
+
+
+def _send(tensor, dst, group, tag, async_op, backend):
+    return _p2p(_fp.send, _core.send, tensor, dst, group, tag, async_op, backend)
+
+
+def _recv(tensor, src, group, tag, async_op, backend):
+    return _p2p(_fp.recv, _core.recv, tensor, src, group, tag, async_op, backend)
+
+
 def send(tensor, dst: int, group=None, tag: int = 0, backend=None) -> None:
-    _core.send(_b(tensor), dst, group, tag, False, backend)
+    _send(tensor, dst, group, tag, False, backend)
 
 
 def recv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None) -> int:
-    return _core.recv(_b(tensor), src, group, tag, False, backend)
+    return _recv(tensor, src, group, tag, False, backend)
 
 
 def isend(tensor, dst: int, group=None, tag: int = 0, backend=None) -> Work:
-    return _core.send(_b(tensor), dst, group, tag, True, backend)
+    return _send(tensor, dst, group, tag, True, backend)
 
 
 def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None) -> Work:
-    return _core.recv(_b(tensor), src, group, tag, True, backend)
+    return _recv(tensor, src, group, tag, True, backend)
 
 
 # --- collectives ---------------------------------------------------------------------------
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
+    f = _facts(tensor)
+    if f is not None:
+        done = _fp.broadcast(_rt(), f[0], f[1], f[2], tensor, src, group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.broadcast(_b(tensor), src, group, async_op, backend)
 
 
@@ -122,6 +151,11 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
 
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
            backend=None):
+    f = _facts(tensor)
+    if f is not None:
+        done = _fp.reduce(_rt(), f[0], f[1], f[2], tensor, dst, op, group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
 
 
@@ -133,6 +167,13 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
                            backend=None, compression=None):
+    if compression is None:
+        o, i = _facts(output_tensor), _facts(input_tensor)
+        if o is not None and i is not None and o[2] is i[2]:
+            done = _fp.all_gather(_rt(), o[0], o[1], i[0], i[1], i[2],
+                                  (output_tensor, input_tensor), group, async_op, backend)
+            if done is not _MISS:
+                return done
     return _core.all_gather_into_tensor(_b(output_tensor), _b(input_tensor), group, async_op,
                                         backend, compression)
 
@@ -145,12 +186,26 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
                           backend=None, compression=None):
+    if compression is None:
+        o, i = _facts(output), _facts(input)
+        if o is not None and i is not None and o[2] is i[2]:
+            done = _fp.reduce_scatter(_rt(), o[0], o[1], i[0], i[1], i[2], (output, input), op,
+                                      group, async_op, backend)
+            if done is not _MISS:
+                return done
     return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend,
                                        compression)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op: bool = False, backend=None):
+    o, i = _facts(output), _facts(input)
+    if o is not None and i is not None and o[2] is i[2]:
+        done = _fp.all_to_all(_rt(), o[0], o[1], output.shape[0] if output.dim() else 1, i[0],
+                              i[1], input.shape[0] if input.dim() else 1, i[2], (output, input),
+                              output_split_sizes, input_split_sizes, group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,
                                    group, async_op, backend)
 
@@ -173,6 +228,9 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, backend=None):
+    done = _fp.barrier(_rt(), group, async_op, backend, None)
+    if done is not _MISS:
+        return done
     return _core.barrier(group, async_op, backend)
 
 

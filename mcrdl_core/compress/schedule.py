@@ -111,7 +111,7 @@ class Channel:
         backend that runs point-to-point in order on a stream (``batch_p2p``: NCCL)."""
         if self._prepost is None:
             be = self.backend(Op.SEND, self.staging(1))
-            self._prepost = not (self.force_paired or hasattr(be, "batch_p2p"))
+            self._prepost = not (self.force_paired or be.grouped_p2p)
         return self._prepost
 
     #: tests set this to run the paired (NCCL-style) schedule on a host backend
@@ -121,7 +121,7 @@ class Channel:
         """One send and one receive issued together (one NCCL group where the backend
         has ``batch_p2p``); one Work for both."""
         be = self.backend(Op.SEND, sbuf)
-        if hasattr(be, "batch_p2p"):
+        if be.grouped_p2p:
             return be.batch_p2p(self.group, [(sbuf, speer)], [(rbuf, rpeer)])
         return _Both(self.send(sbuf, speer, tag), self.recv(rbuf, rpeer, tag))
 
