@@ -454,8 +454,8 @@ def barrier(rt, group, async_op, backend, probe):
     if rt.debug or rt.engine.inflight:
         return MISS
     g = rt.group(group)
-    plan = _lookup(rt, _T[Op.BARRIER], g, probe.dtype if probe is not None else None,
-                   backend, None, 0, probe, (Op.BARRIER, g, probe, backend))
+    plan = _lookup(rt, _T[Op.BARRIER], g, None, backend, None, 0, probe,
+                   (Op.BARRIER, g, probe, backend))
     if plan is None or plan[1] is None:
         return MISS
     return _run(rt, plan[0], Op.BARRIER, g, plan[1], (), (), async_op, 0, 0, 0, 0, 0)

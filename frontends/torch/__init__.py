@@ -197,13 +197,19 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                                        compression)
 
 
+def _rows(t, count: int) -> int:
+    """dim 0 of ``t`` (1 for a scalar): a 1-D tensor's is its count, read for free."""
+    d = t.dim()
+    return count if d == 1 else (t.shape[0] if d else 1)
+
+
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op: bool = False, backend=None):
     o, i = _facts(output), _facts(input)
     if o is not None and i is not None and o[2] is i[2]:
-        done = _fp.all_to_all(_rt(), o[0], o[1], output.shape[0] if output.dim() else 1, i[0],
-                              i[1], input.shape[0] if input.dim() else 1, i[2], (output, input),
-                              output_split_sizes, input_split_sizes, group, async_op, backend)
+        done = _fp.all_to_all(_rt(), o[0], o[1], _rows(output, o[1]), i[0], i[1],
+                              _rows(input, i[1]), i[2], (output, input), output_split_sizes,
+                              input_split_sizes, group, async_op, backend)
         if done is not _MISS:
             return done
     return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,
