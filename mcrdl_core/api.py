@@ -12,13 +12,18 @@ from numpy import ndarray as _ndarray
 from . import alloc
 from . import debug as _debug
 from . import fastpath as _fast
+from . import hooks as _hooks
 from . import validate as _v
 from .buffer import Buffer
 from .ops import Op, ReduceOp
 from .runtime import get_runtime
 
 
-def _prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
+def prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
+    """The checks and selection of a call, without issuing it: (runtime, group, backend
+    instance, reduce op). ``buf`` may be metadata only (a traced value's shape and
+    dtype): what a frontend that issues the call its own way needs (the JAX lowering
+    under ``jit``). Raises the call's errors, as the call itself would."""
     rt = get_runtime()
     g = rt.group(group)
     if reduce_op is not None:
@@ -34,24 +39,15 @@ def _compression(compression, op, rt, g, backend, buf: Buffer, reduce_op=None):
     and None too where an ``auto:`` spec keeps the backend's own collective."""
     if compression is None and not _fast.compression_env():
         return None
-    resolve, keeps_plain, _ = _compress()
-    cz = resolve(compression, op, buf.dtype, reduce_op)
-    return None if keeps_plain(cz, rt, g, op, buf, backend) else cz
-
-
-_COMPRESS: list = []
+    t = _compress()
+    cz = t.resolve(compression, op, buf.dtype, reduce_op)
+    return None if t.keeps_plain(cz, rt, g, op, buf, backend) else cz
 
 
 def _compress():
-    """(resolve, keeps_plain, entry) of the compress package, imported at the first call
-    that allows compression and kept here: an import statement in a function runs
-    importlib's Python code on every call (about 1 µs each)."""
-    if not _COMPRESS:
-        from .compress import entry, resolve
-        from .compress.auto import keeps_plain
-
-        _COMPRESS.append((resolve, keeps_plain, entry))
-    return _COMPRESS[0]
+    """The compression transform (``hooks``: loaded at the first call that allows
+    compression)."""
+    return _hooks.transform("compression")
 
 
 def _xp_copy(dst: Buffer, src_arr) -> None:
@@ -97,7 +93,7 @@ def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, bac
                           async_op, backend, buf)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = _prepare(Op.SEND, group, buf, backend)
+    rt, g, be, _ = prepare(Op.SEND, group, buf, backend)
     peer = g.group_rank(dst, "dst")
     spans = rt.order(reads=(buf,), keep=async_op)
     return rt.finish(be.send(g, buf, peer, int(tag)), spans, async_op, buf.nbytes)
@@ -113,7 +109,7 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
                           async_op, backend, buf)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = _prepare(Op.RECV, group, buf, backend)
+    rt, g, be, _ = prepare(Op.RECV, group, buf, backend)
     peer = None if src is None else g.group_rank(src, "src")
     spans = rt.order(writes=(buf,), keep=async_op)
     work = be.recv(g, buf, peer, int(tag))
@@ -138,7 +134,7 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
                                async_op, backend, buf)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = _prepare(Op.BROADCAST, group, buf, backend)
+    rt, g, be, _ = prepare(Op.BROADCAST, group, buf, backend)
     root = g.group_rank(src, "src")
     if rt.debug:
         _debug.check(rt, g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
@@ -154,7 +150,7 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
                             async_op, backend, buf)
         if done is not _fast.MISS:
             return done
-    rt, g, be, op = _prepare(Op.REDUCE, group, buf, backend, op)
+    rt, g, be, op = prepare(Op.REDUCE, group, buf, backend, op)
     root = g.group_rank(dst, "dst")
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
@@ -175,10 +171,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
         done = _fast.all_reduce(get_runtime(), buf, op, group, async_op, backend)
         if done is not _fast.MISS:
             return done
-    rt, g, be, op = _prepare(Op.ALL_REDUCE, group, buf, backend, op)
+    rt, g, be, op = prepare(Op.ALL_REDUCE, group, buf, backend, op)
     cz = _compression(compression, Op.ALL_REDUCE, rt, g, backend, buf, op)
     if cz is not None:
-        return _compress()[2].all_reduce(rt, g, buf, op, cz, backend, async_op)
+        return _compress().all_reduce(rt, g, buf, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
@@ -195,11 +191,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
                                 (out, inp), group, async_op, backend, inp)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
+    rt, g, be, _ = prepare(Op.ALL_GATHER, group, inp, backend)
     _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
     cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
     if cz is not None:
-        return _compress()[2].all_gather(rt, g, out, inp, cz, backend, async_op)
+        return _compress().all_gather(rt, g, out, inp, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
@@ -211,7 +207,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     outs = [_v.output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
     inp = _v.input(tensor, "tensor")
     _v.same_kind(outs + [inp], "all_gather")
-    rt, g, be, _ = _prepare(Op.ALL_GATHER, group, inp, backend)
+    rt, g, be, _ = prepare(Op.ALL_GATHER, group, inp, backend)
     if len(outs) != g.size:
         raise _v.InvalidArgumentError(f"all_gather: tensor_list has {len(outs)} tensors for a "
                                       f"group of {g.size}; give one per rank")
@@ -221,7 +217,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     tmp = alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
     cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
     if cz is not None:
-        return _compress()[2].all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
+        return _compress().all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
                                 then=lambda: _scatter_into(tmp, outs))
     if rt.debug:
         _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
@@ -241,11 +237,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                                     out.dtype, (out, inp), op, group, async_op, backend, out)
         if done is not _fast.MISS:
             return done
-    rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
+    rt, g, be, op = prepare(Op.REDUCE_SCATTER, group, out, backend, op)
     _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
     cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
     if cz is not None:
-        return _compress()[2].reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
+        return _compress().reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
@@ -257,7 +253,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     out = _v.output(output, "output")
     ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
     _v.same_kind([out] + ins, "reduce_scatter")
-    rt, g, be, op = _prepare(Op.REDUCE_SCATTER, group, out, backend, op)
+    rt, g, be, op = prepare(Op.REDUCE_SCATTER, group, out, backend, op)
     if len(ins) != g.size:
         raise _v.InvalidArgumentError(f"reduce_scatter: input_list has {len(ins)} tensors for a "
                                       f"group of {g.size}; give one per rank")
@@ -267,7 +263,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     if cz is not None:
         rt.order(reads=ins, writes=(out,), keep=False)  # before the inputs are read
         tmp = _concat(ins, g.size * out.numel)
-        return _compress()[2].reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
+        return _compress().reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
     if rt.debug:
         _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)
@@ -295,10 +291,10 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
     even = len(set(out_counts)) == 1 and len(set(in_counts)) == 1 and out_counts == in_counts
     nbytes = inp.nbytes if even and not (output_split_sizes or input_split_sizes) else None
-    _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, inp, backend, nbytes=nbytes)
+    _, _, be, _ = prepare(Op.ALL_TO_ALL, g, inp, backend, nbytes=nbytes)
     cz = _compression(compression, Op.ALL_TO_ALL, rt, g, backend, inp)
     if cz is not None:
-        return _compress()[2].all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend,
+        return _compress().all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend,
                                          async_op, nbytes)
     if rt.debug:
         _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
@@ -325,13 +321,13 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     in_counts = [b.numel for b in ins]
     even = len(set(out_counts + in_counts)) == 1
     nbytes = sum(b.nbytes for b in ins) if even else None
-    _, _, be, _ = _prepare(Op.ALL_TO_ALL, g, ins[0], backend, nbytes=nbytes)
+    _, _, be, _ = prepare(Op.ALL_TO_ALL, g, ins[0], backend, nbytes=nbytes)
     cz = _compression(compression, Op.ALL_TO_ALL, rt, g, backend, ins[0])
     if cz is not None:
         rt.order(reads=ins, writes=outs, keep=False)  # before the inputs are read
         tmp_in = _concat(ins, sum(in_counts))
         tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
-        return _compress()[2].all_to_all(rt, g, tmp_out, tmp_in, out_counts, in_counts, cz,
+        return _compress().all_to_all(rt, g, tmp_out, tmp_in, out_counts, in_counts, cz,
                                          backend, async_op, nbytes, writes=outs,
                                          then=lambda: _scatter_into(tmp_out, outs))
     if rt.debug:
@@ -348,7 +344,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
            backend=None):
     """Gather ``tensor`` from every rank into ``gather_list`` on ``dst`` (ignored elsewhere)."""
     inp = _v.input(tensor, "tensor")
-    rt, g, be, _ = _prepare(Op.GATHER, group, inp, backend)
+    rt, g, be, _ = prepare(Op.GATHER, group, inp, backend)
     root = g.group_rank(dst, "dst")
     outs = []
     if g.rank == root:
@@ -374,7 +370,7 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
             backend=None):
     """Scatter ``scatter_list`` (given on ``src``) into ``tensor`` on every rank."""
     out = _v.output(tensor, "tensor")
-    rt, g, be, _ = _prepare(Op.SCATTER, group, out, backend)
+    rt, g, be, _ = prepare(Op.SCATTER, group, out, backend)
     root = g.group_rank(src, "src")
     tmp, ins = None, []
     if g.rank == root:
@@ -409,7 +405,7 @@ def barrier(group=None, async_op: bool = False, backend=None):
         done = _fast.barrier(rt, group, async_op, backend, probe)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = _prepare(Op.BARRIER, group, probe, backend)
+    rt, g, be, _ = prepare(Op.BARRIER, group, probe, backend)
     if rt.debug:
         _debug.check(rt, g, Op.BARRIER, be, probe)
     prior = [w for w in rt.engine.inflight if w.group is g and w.op not in _P2P]

@@ -281,10 +281,7 @@ def barrier_probe(rt, group, backend: str | None) -> Buffer:
     ``MCRDL_BACKEND`` override -- handles no host buffers (nccl): then a one-byte CUDA
     buffer on the current device, metadata only (never read or written). An unknown or
     unavailable name gets the host probe; selection then says why it cannot run."""
-    if backend is None:
-        backend = group.backend
-    name = backend if backend not in (None, "auto") else (
-        rt.override.get("barrier") or rt.override.get("*"))
+    name = rt.named_backend(Op.BARRIER, group, backend)
     if name is not None:
         from .backend import backend_class
         from .errors import McrdlError

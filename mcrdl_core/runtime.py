@@ -57,7 +57,8 @@ class Runtime:
         self._made: dict = {}  # ranks -> how many groups of them new_group made
         self._backends: dict = {}
         self._unavailable: dict = {}
-        self._choice: dict = {}  # memoized selections
+        self._choice: dict = {}  # memoized selections (and the fast path's plans)
+        self._caches: dict = {}  # name -> a cache of a module, per runtime (cache())
         self.logger = comm_logger()
         self.alive = True
         self._unusable = None  # why calls are refused: destroyed (see check_alive)
@@ -102,6 +103,26 @@ class Runtime:
         self.table = TuningTable.load(table) if isinstance(table, str) else table
         self._choice.clear()
 
+    def cache(self, name: str) -> dict:
+        """A dict of this runtime's, for a module's memo of things that hold only within
+        one runtime (keyed by group ids, which restart at 0 in the next runtime):
+        ``destroy()`` drops them all."""
+        c = self._caches.get(name)
+        if c is None:
+            c = self._caches[name] = {}
+        return c
+
+    def named_backend(self, op, group: Group, backend: str | None) -> str | None:
+        """The backend the user named for a call, or None where the choice is MCR-DL's
+        (a table, then the policy). The one place of the rule: the call's ``backend=``,
+        else the group's default (``new_group(backend=)``, ``init_process_group(backend=)``),
+        else ``MCRDL_BACKEND`` (for ``op``, else for every op); "auto" names none."""
+        if backend is None:
+            backend = group.backend
+        if backend not in (None, "auto"):
+            return backend
+        return self.override.get(op.value) or self.override.get("*")
+
     def select(self, op, group: Group, buf, backend: str | None, reduce_op=None,
                nbytes: int | None = -1):
         """The Backend instance for one call (explicit > MCRDL_BACKEND > table > policy)."""
@@ -119,7 +140,7 @@ class Runtime:
         be = self._choice.get(key)
         if be is not None:
             return be
-        name = backend if explicit else (self.override.get(op.value) or self.override.get("*"))
+        name = self.named_backend(op, group, backend)
         if name is not None:
             be = self.backend(name)
             reason = be.unsupported_reason(op, device, dtype, reduce_op)
@@ -305,6 +326,8 @@ class Runtime:
         self._backends.clear()
         for g in self.groups:
             g.comms.clear()
+        self._choice.clear()
+        self._caches.clear()
         self.alive = False
         self._unusable = "destroyed"
 

@@ -37,9 +37,15 @@ def table_of(results) -> TuningTable:
 
 
 def fake_rt(table, override=None, unavailable=()):
-    return SimpleNamespace(table=table, override=override or {},
-                           bootstrap=SimpleNamespace(hosts_in=lambda ranks: 1),
-                           unavailable_reason=lambda n: "absent" if n in unavailable else None)
+    from mcrdl_core.runtime import Runtime
+
+    caches: dict = {}
+    rt = SimpleNamespace(table=table, override=override or {},
+                         bootstrap=SimpleNamespace(hosts_in=lambda ranks: 1),
+                         unavailable_reason=lambda n: "absent" if n in unavailable else None,
+                         cache=lambda name: caches.setdefault(name, {}))
+    rt.named_backend = lambda op, g, b: Runtime.named_backend(rt, op, g, b)
+    return rt
 
 
 _ids = iter(range(10_000, 20_000))

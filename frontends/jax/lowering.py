@@ -28,7 +28,7 @@ from mcrdl_core import debug as _debug
 from mcrdl_core import dtypes as _dt
 from mcrdl_core import fastpath as _fast
 from mcrdl_core import validate as _v
-from mcrdl_core.api import _prepare
+from mcrdl_core.api import prepare
 from mcrdl_core.buffer import CPU, Buffer
 from mcrdl_core.ops import Op, ReduceOp
 
@@ -60,7 +60,7 @@ def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, chec
     just before the call (``_debug_at_run_time``). ``root``: (global rank, argument
     name) of a rooted op."""
     probe = _probe(x)
-    rt, g, be, reduce_op = _prepare(op, group, probe, backend, reduce_op, nbytes)
+    rt, g, be, reduce_op = prepare(op, group, probe, backend, reduce_op, nbytes)
     if rt.debug and check:
         sig = dict(reduce_op=reduce_op, root=None if root is None else g.group_rank(*root),
                    count=probe.numel, counts=counts, shape=None if counts else probe.shape,

@@ -52,7 +52,8 @@ MARGIN = 1.25
 #: steps of the Python ring) dominate, and on a busy host the small-size calibration
 #: point is too noisy to trust (it once picked fp16 for 64 KiB at 10 Gbit/s: 0.5x)
 MIN_BYTES = 256 << 10
-_CALIBRATION: dict = {}
+_CALIBRATION = "compress.calibration"  # Runtime.cache names: per runtime, dropped by
+_DECIDED = "compress.decided"  # destroy() (their keys hold group ids)
 _OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER)
 
 
@@ -135,7 +136,8 @@ def _best_interleaved(calls, reps: int = 5) -> list:
 def calibrate(rt, group, backend: str | None, codecs) -> Calibration:
     """Measure (once per group, backend and codec set) and agree across the group."""
     key = (group.id, backend, tuple(codecs))
-    cal = _CALIBRATION.get(key)
+    cache = rt.cache(_CALIBRATION)
+    cal = cache.get(key)
     if cal is not None:
         return cal
     from .. import api
@@ -167,7 +169,7 @@ def calibrate(rt, group, backend: str | None, codecs) -> Calibration:
     half = len(keys) // 2
     times = {k: (float(agreed[i]), float(agreed[half + i])) for i, k in enumerate(keys[:half])}
     codec_s = {c: float(agreed[len(keys) + i]) for i, c in enumerate(codecs)}
-    cal = _CALIBRATION[key] = Calibration.from_times(P, times, codec_s)
+    cal = cache[key] = Calibration.from_times(P, times, codec_s)
     log.info("auto compression calibration on %s via %s (s at %s B per rank): %s; codecs "
              "alone (s per %d B): %s", group.describe(), backend, CAL_SIZES, times,
              CAL_SIZES[1], codec_s)
@@ -202,10 +204,11 @@ def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None
     override = getattr(rt, "override", None)
     key = (group.id, backend, auto.codecs, op, count, dtype, nbytes, device, table,
            frozenset(override.items()) if override else None)
-    hit = _DECIDED.get(key)
+    decided = rt.cache(_DECIDED)
+    hit = decided.get(key)
     if hit is None:
-        if len(_DECIDED) > 4096:
-            _DECIDED.clear()
+        if len(decided) > 4096:
+            decided.clear()
         hit = from_table(auto, rt, group, op, nbytes, device, dtype, backend)
         if hit is MISS:
             if not auto.codecs:  # "table": only what the table measured
@@ -213,11 +216,9 @@ def choose(auto: Auto, rt, group, op: Op, count: int, dtype, backend: str | None
             else:
                 cal = calibrate(rt, group, backend, auto.codecs)
                 hit = (decide(cal, op, count, dtype.itemsize), backend)
-        _DECIDED[key] = hit
+        decided[key] = hit
     return hit
 
-
-_DECIDED: dict = {}
 
 
 def keeps_plain(cz, rt, group, op: Op, buf, backend) -> bool:
@@ -243,8 +244,9 @@ def choose_all_to_all(auto: Auto, rt, group, dtype, backend: str | None,
         return None, backend
     hit = from_table(auto, rt, group, Op.ALL_TO_ALL, nbytes, device, dtype, backend)
     if hit is MISS:
-        if group.id not in _A2A_NOTED:
-            _A2A_NOTED.add(group.id)
+        noted = rt.cache("compress.a2a_noted")
+        if group.id not in noted:
+            noted[group.id] = True
             log.info("compression %s on all_to_all of %s: the tuning table holds no "
                      "compressed all_to_all measurements for it (mcrdl tune --compression), "
                      "so the plain all-to-all runs; name a codec to compress regardless",
@@ -252,8 +254,6 @@ def choose_all_to_all(auto: Auto, rt, group, dtype, backend: str | None,
         return None, backend
     return hit
 
-
-_A2A_NOTED: set = set()
 
 
 #: from_table's answer when the table has nothing to say about this call
@@ -286,10 +286,7 @@ def from_table(auto: Auto, rt, group, op: Op, nbytes: int, device: str, dtype,
     allowed = {_canonical(c) for c in auto.codecs} if auto.codecs else measured
     if not allowed <= measured:
         return MISS  # a codec the table never measured: calibrate them all alike
-    forced = backend if backend is not None else group.backend
-    if forced in (None, "auto"):
-        override = getattr(rt, "override", None) or {}
-        forced = override.get(op.value) or override.get("*")
+    forced = rt.named_backend(op, group, backend)
     for be, codec, algo in variants:
         name = _canonical(codec)
         if name not in allowed or name.startswith("?") or algo not in ALGORITHMS or \

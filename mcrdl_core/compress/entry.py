@@ -13,10 +13,10 @@ from .. import debug as _debug
 from .. import validate as _v
 from ..ops import Op, ReduceOp
 from . import algorithms as _alg
-from .auto import Auto, choose, choose_all_to_all
+from .auto import Auto, choose, choose_all_to_all, keeps_plain
 from .codecs import NonFiniteError
 from .schedule import Channel, ScheduleWork, store, to_work, xp_of
-from .spec import make_codec, plan, plan_all_to_all, work_dtype
+from .spec import make_codec, plan, plan_all_to_all, resolve, work_dtype
 
 
 def _check_intact(work, codec) -> None:
@@ -201,3 +201,19 @@ def all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend, async_op, nb
     return _issue(rt, g, Op.ALL_TO_ALL, cz, inp.numel, inp.dtype, inp.device, gen, (inp,),
                   writes or (out,), async_op, inp.nbytes, backend, finish, counts=counts,
                   sel_nbytes=sel)
+
+
+class _Transform:
+    """What the api calls (``hooks.transform("compression")``): the resolution of what a
+    call allows, whether an ``auto:`` spec keeps the plain collective, and the
+    compressed entries."""
+
+    keeps_plain = staticmethod(keeps_plain)
+    resolve = staticmethod(resolve)
+    all_reduce = staticmethod(all_reduce)
+    all_gather = staticmethod(all_gather)
+    reduce_scatter = staticmethod(reduce_scatter)
+    all_to_all = staticmethod(all_to_all)
+
+
+TRANSFORM = _Transform()

@@ -47,6 +47,7 @@ from .. import config as _config
 from .. import tags as _tags
 from ..buffer import as_buffer
 from ..errors import InvalidArgumentError
+from ..ops import Op
 from ..runtime import get_runtime
 from .linkmodel import chain_segment
 from .plan import Plan
@@ -260,7 +261,7 @@ def _policy_backend() -> str | None:
     """The backend a host-buffer broadcast would get without ``backend=`` (to decide
     whether the chain applies)."""
     rt = get_runtime()
-    name = rt.world.backend or rt.override.get("broadcast") or rt.override.get("*")
+    name = rt.named_backend(Op.BROADCAST, rt.world, None)
     if name:
         return name
     usable = [n for n, r in rt.available_backends().items() if r is None]
