@@ -1,7 +1,7 @@
 """Peers that exited, seen by a wait before the timeout (issue 22 item 12): the probe
 itself, on processes of this machine (a live one, a reaped one, a zombie), and what the
 engine does with its answer. The 2-rank cases where a peer really dies are in
-tests/faults/plan.py (crash_*: CommFailedError within 2 s, MCRDL_TIMEOUT 3 s)."""
+tests/faults/plan.py (crash_*: CommFailedError before MCRDL_TIMEOUT, 3 s)."""
 import subprocess
 import sys
 import time

@@ -64,7 +64,8 @@ def _straggler(case, backend, rank=0, first=True):
 # A rank that exits mid-transfer: (outcomes, within, note) by "mpi" or by the Gloo case.
 # The survivor's wait sees the peer's process gone (same machine: Runtime.peers_gone,
 # every 0.25 s of a wait) well before MCRDL_TIMEOUT, whatever the library does.
-_SOON = 2.0  # seconds: less than TIMEOUT_S, so a timeout cannot pass for it
+_SOON = TIMEOUT_S  # seconds: the error must come before MCR-DL's timeout would (the
+# outcome's class, CommFailedError, already rules the timeout out; this bounds the time)
 _CRASH = {
     "mpi": (("CommFailedError",), _SOON,
             "rank 0: CommFailedError naming the exited rank, before the timeout (MCR-DL sees "
