@@ -429,12 +429,22 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def link_class() -> str | None:
+    """What the links between hosts are, where the job can tell: the rate an emulated
+    cluster gives its links (``MCRDL_CLUSTER_RATE``, e.g. "1gbit"); None otherwise (one
+    host, or real hosts, whose links MCR-DL does not measure). Crossovers between
+    backends move with it, so a table is only used under the links it was tuned on."""
+    return _config.get("MCRDL_CLUSTER_RATE") if _config.get("MCRDL_CLUSTER") else None
+
+
 def fingerprint(hosts=None) -> dict:
-    """What makes a table valid: machine, CPU model, core count, library versions; with
-    ``hosts`` (the hosts of the job that measured it) also those, so that every node of
-    a real multi-host job accepts the table its rank 0 wrote."""
+    """What makes a table valid: machine, CPU model, core count, library versions, the
+    links' class (``link_class``); with ``hosts`` (the hosts of the job that measured
+    it) also those, so that every node of a real multi-host job accepts the table its
+    rank 0 wrote."""
     fp = {"host": machine_name(), "cpu": _cpu_model(), "cores": os.cpu_count(),
-          "mpich": _version("mpich"), "mpi4py": _version("mpi4py"), "torch": _version("torch")}
+          "mpich": _version("mpich"), "mpi4py": _version("mpi4py"), "torch": _version("torch"),
+          "link": link_class()}
     if hosts and list(hosts) != [fp["host"]]:
         fp["hosts"] = sorted(set(hosts))
     return fp
@@ -448,4 +458,7 @@ def machine_differences(table_machine: dict, here: dict) -> list[str]:
     if here.get("host") != table_machine.get("host") and \
             here.get("host") not in table_machine.get("hosts", ()):
         diff.insert(0, "host")
+    if table_machine.get("link") != here.get("link"):
+        diff.append(f"links: tuned on {table_machine.get('link') or 'one host / unknown links'}, "
+                    f"this job has {here.get('link') or 'one host / unknown links'}")
     return diff

@@ -172,3 +172,24 @@ def test_logger_rows_summary_and_json(tmp_path):
 def test_parse_bytes():
     assert [parse_bytes(x) for x in ("4", "64K", "64KiB", "1M", "2G", "512b")] == \
            [4, 65536, 65536, 1 << 20, 2 << 30, 512]
+
+
+def test_a_table_tuned_under_other_links_is_refused_naming_both(tmp_path, monkeypatch, caplog):
+    """Issue 24 point 7: the links' class (an emulated cluster's rate) is in the machine
+    block; a job under other links warns, naming both, and keeps the policy."""
+    monkeypatch.setenv("MCRDL_CLUSTER", "c1")
+    monkeypatch.setenv("MCRDL_CLUSTER_RATE", "1gbit")
+    fp = tuning.fingerprint(["h0", "h1"])
+    assert fp["link"] == "1gbit"
+    table = tuning.merge_table(None, tuning.build_entries(synthetic()), fp)
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(table))
+    monkeypatch.setenv("MCRDL_TUNING_TABLE", str(p))
+    assert table_from_env() is not None  # the same links: used
+    monkeypatch.setenv("MCRDL_CLUSTER_RATE", "10gbit")
+    with caplog.at_level(logging.WARNING, logger="mcrdl.selection"):
+        assert table_from_env() is None
+    assert "tuned on 1gbit" in caplog.text and "this job has 10gbit" in caplog.text
+    monkeypatch.delenv("MCRDL_CLUSTER")  # one host: a cluster's table does not fit either
+    assert tuning.fingerprint()["link"] is None
+    assert any("links" in d for d in tuning.machine_differences(fp, tuning.fingerprint()))
