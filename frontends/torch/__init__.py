@@ -17,8 +17,9 @@ ranks; collectives are in place; ``async_op=True`` returns a Work with ``wait()`
 - non-contiguous *input* tensors are copied to contiguous ones instead of refused;
   outputs must be contiguous, as in torch.
 - ``gather_list``/``scatter_list`` on non-root ranks are ignored instead of refused.
-- ``compression=`` on all_reduce, all_gather(_into_tensor) and reduce_scatter(_tensor)
-  allows a lossy codec ("int8", "fp16@a2a", ...; docs/compression.md); off by default.
+- ``compression=`` on all_reduce, all_gather(_into_tensor), reduce_scatter(_tensor) and
+  all_to_all(_single) allows a lossy codec ("int8", "fp16@a2a", "fp8", ...;
+  docs/compression.md); off by default.
 """
 from __future__ import annotations
 
@@ -204,8 +205,8 @@ def _rows(t, count: int) -> int:
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                      group=None, async_op: bool = False, backend=None):
-    o, i = _facts(output), _facts(input)
+                      group=None, async_op: bool = False, backend=None, compression=None):
+    o, i = (_facts(output), _facts(input)) if compression is None else (None, None)
     if o is not None and i is not None and o[2] is i[2]:
         done = _fp.all_to_all(_rt(), o[0], o[1], _rows(output, o[1]), i[0], i[1],
                               _rows(input, i[1]), i[2], (output, input), output_split_sizes,
@@ -213,13 +214,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         if done is not _MISS:
             return done
     return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,
-                                   group, async_op, backend)
+                                   group, async_op, backend, compression)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
-               backend=None):
+               backend=None, compression=None):
     return _core.all_to_all(_bs(output_tensor_list, "output_tensor_list"),
-                            _bs(input_tensor_list, "input_tensor_list"), group, async_op, backend)
+                            _bs(input_tensor_list, "input_tensor_list"), group, async_op, backend,
+                            compression)
 
 
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,

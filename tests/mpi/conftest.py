@@ -57,6 +57,22 @@ def finish(result, async_op):
         assert result is None
 
 
+@pytest.fixture(scope="module")
+def torch_world():
+    """torch.distributed's default group on the "mcrdl" backend for one module's tests.
+    After it, every rank waits for the others: the next module's init_process_group
+    reuses MASTER_PORT (set by the first one), and a rank that got there while rank 0
+    still held this module's store server would join the dead server (the core runtime
+    outlives torch's group, so its barrier can do the wait)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("mcrdl")
+    yield
+    tdist.destroy_process_group()
+    dist.barrier()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Each rank writes its own tally for the launcher (test_multirank.py) to read, since
     the ranks' terminal output interleaves."""

@@ -346,3 +346,39 @@ def test_fp8_in_the_other_compressed_collectives(algo, backend):
     quantizations = 1 if algo == "a2a" else max(SIZE - 1, 1)
     assert np.linalg.norm(red - exact) <= (make_codec("fp8").error_bound * quantizations * 1.1
                                            * contributions + 1e-6)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "fp8", "int8"])
+def test_mcrdl_torch_takes_compression_on_both_forms(codec):
+    """mcrdl_torch.all_to_all_single / all_to_all with ``compression=``: the same bits
+    as the core's compressed call (each block a round trip of its sender's)."""
+    import mcrdl_torch
+
+    salt = 5
+    x = torch.from_numpy(rank_input(RANK, salt).copy())
+    out = torch.full((sum(recv_rows(RANK, salt)), WIDTH), float("nan"))
+    mcrdl_torch.all_to_all_single(out, x, recv_rows(RANK, salt), send_rows(RANK, salt),
+                                  backend="mpi", compression=codec)
+    assert np.array_equal(out.numpy().reshape(-1), expected(codec, salt))
+    ins = list(torch.split(x, send_rows(RANK, salt)))
+    outs = [torch.full((r, WIDTH), float("nan")) for r in recv_rows(RANK, salt)]
+    mcrdl_torch.all_to_all(outs, ins, backend="gloo", compression=codec)
+    assert np.array_equal(torch.cat(outs).numpy().reshape(-1), expected(codec, salt))
+
+
+def test_the_mcrdl_process_group_compresses_under_the_environment(torch_world, monkeypatch):
+    """An unchanged torch program (torch.distributed on the "mcrdl" backend) gets the
+    compressed all-to-all from MCRDL_COMPRESSION's all_to_all key, and the plain one
+    without it."""
+    import torch.distributed as tdist
+
+    salt = 6
+    for spec, codec in (("all_to_all=fp16", "fp16"), (None, "none")):
+        if spec:
+            monkeypatch.setenv("MCRDL_COMPRESSION", spec)
+        else:
+            monkeypatch.delenv("MCRDL_COMPRESSION", raising=False)
+        x = torch.from_numpy(rank_input(RANK, salt).copy())
+        out = torch.full((sum(recv_rows(RANK, salt)), WIDTH), float("nan"))
+        tdist.all_to_all_single(out, x, recv_rows(RANK, salt), send_rows(RANK, salt))
+        assert np.array_equal(out.numpy().reshape(-1), expected(codec, salt)), spec

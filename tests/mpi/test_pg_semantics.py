@@ -23,16 +23,7 @@ from conftest import RANK, SIZE, assert_equal, values
 _vals = functools.partial(values, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torch_world():
-    if not dist.is_initialized():
-        dist.init_process_group("mcrdl")
-    yield
-    dist.destroy_process_group()
-    # The next module's init_process_group reuses MASTER_PORT (set by the first one): a
-    # rank that got there while rank 0 still held this module's store server would join
-    # the dead server. The core runtime outlives torch's group: wait for every rank.
-    mcrdl_torch.barrier()
+pytestmark = pytest.mark.usefixtures("torch_world")  # conftest: an "mcrdl" default group
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,7 @@ RANK = int(os.environ.get("PMI_RANK", 0))
 HANG_S = float(os.environ.get("MCRDL_TEST_HANG_S", 120))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torch_world():
-    if not dist.is_initialized():
-        dist.init_process_group("mcrdl")
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("torch_world")  # conftest: an "mcrdl" default group
 
 
 def _n():
