@@ -115,11 +115,14 @@ def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None, compression=Non
     return _path(x).reduce_scatter(x, op, group, backend, compression)
 
 
-def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split_sizes=None):
+def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split_sizes=None,
+               compression=None):
     """Split the leading axis into n blocks (or the given sizes) and exchange them.
-    With uneven splits, ``output_split_sizes`` gives the rows this rank receives."""
+    With uneven splits, ``output_split_sizes`` gives the rows this rank receives.
+    ``compression``: allow a lossy codec for the blocks ("fp16", "bf16", "int8", "fp8";
+    docs/compression.md); the backward pass uses the same codec."""
     return _path(x).all_to_all(x, group, backend, _splits(input_split_sizes),
-                               _splits(output_split_sizes))
+                               _splits(output_split_sizes), compression)
 
 
 def gather(x, dst: int = 0, group=None, backend=None):

@@ -217,7 +217,7 @@ reduce_scatter = _vjp("reduce_scatter", 1, 4,
 
 
 def _all_to_all_bwd(st, res, ct):
-    group, backend, in_splits, out_splits = st
+    group, backend, in_splits, out_splits, compression = st
     (x,) = res
     if in_splits or out_splits:
         # a missing list means "even split of x" in the forward call; in the backward
@@ -226,10 +226,10 @@ def _all_to_all_bwd(st, res, ct):
         n = _rank(group)[1].size
         even = (x.shape[0] // n,) * n
         in_splits, out_splits = in_splits or even, out_splits or even
-    return [all_to_all(ct, group, backend, out_splits, in_splits)]
+    return [all_to_all(ct, group, backend, out_splits, in_splits, compression)]
 
 
-all_to_all = _vjp("all_to_all", 1, 4, _none, _all_to_all_bwd)
+all_to_all = _vjp("all_to_all", 1, 5, _none, _all_to_all_bwd)
 
 
 def _gather_bwd(st, res, ct):

@@ -127,8 +127,10 @@ def reduce_scatter(x, op, group, backend, compression=None):
     return to_jax(host.reduce_scatter(x, op, group, backend, compression))
 
 
-def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None):
-    return to_jax(host.all_to_all(x, group, backend, input_split_sizes, output_split_sizes))
+def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None,
+               compression=None):
+    return to_jax(host.all_to_all(x, group, backend, input_split_sizes, output_split_sizes,
+                                  compression))
 
 
 def gather(x, dst, group, backend):

@@ -95,14 +95,15 @@ def reduce_scatter(x, op, group, backend, compression=None):
     return out
 
 
-def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None):
+def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None,
+               compression=None):
     if not (input_split_sizes or output_split_sizes):
         leading_blocks(x, size(group), "all_to_all")
     rows = sum(output_split_sizes) if output_split_sizes else x.shape[0]
     out = empty((rows, *x.shape[1:]), np_dtype(x))
     _core.all_to_all_single(out, view(x), output_split_sizes and list(output_split_sizes),
                             input_split_sizes and list(input_split_sizes), group,
-                            backend=backend)
+                            backend=backend, compression=compression)
     return out
 
 

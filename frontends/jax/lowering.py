@@ -190,7 +190,8 @@ def reduce_scatter(x, op, group, backend, compression=None):
                      [_spec((k, *x.shape[1:]), x.dtype)], x, what="reduce_scatter")
 
 
-def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None):
+def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=None,
+               compression=None):
     n = _core.get_runtime().group(group).size
     uneven = bool(input_split_sizes or output_split_sizes)
     counts = None
@@ -205,10 +206,11 @@ def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=Non
         rows = x.shape[0]
     g, be, _ = _lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
                       counts=counts)
-    if uneven or not _via_mpi4jax(be):
-        # uneven splits are host-side work on every backend (mpi4jax has no alltoallv)
+    if uneven or not _via_mpi4jax(be) or _compressed(Op.ALL_TO_ALL, x, compression):
+        # uneven splits are host-side work on every backend (mpi4jax has no alltoallv),
+        # and so are compressed ones (the core's codec in the callback)
         return _callback(lambda a: (host.all_to_all(a, g, be, input_split_sizes,
-                                                    output_split_sizes),),
+                                                    output_split_sizes, compression),),
                          [_spec((rows, *x.shape[1:]), x.dtype)], x, what="all_to_all")
     xw, back = _bits(x)
     blocks = xw.reshape((n, k, *x.shape[1:]))
