@@ -50,6 +50,15 @@ def _compress():
     return _hooks.transform("compression")
 
 
+def _fast_one(fast, buf: Buffer, *args):
+    """A one-buffer call's try of the fast path (``fastpath.send``, ``recv``,
+    ``broadcast``, ``reduce``), whose first call of a key fills the memo from ``buf``;
+    MISS for device memory."""
+    if buf.device.kind != "cpu":
+        return _fast.MISS
+    return fast(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, *args, buf)
+
+
 def _xp_copy(dst: Buffer, src_arr) -> None:
     d = dst.array()
     d[...] = src_arr.reshape(d.shape)
@@ -88,11 +97,9 @@ def _scatter_into(tmp: Buffer, outs) -> None:
 # --- point to point ------------------------------------------------------------------------
 def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, backend=None):
     buf = _v.input(tensor, "tensor")
-    if buf.device.kind == "cpu":
-        done = _fast.send(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, dst, tag, group,
-                          async_op, backend, buf)
-        if done is not _fast.MISS:
-            return done
+    done = _fast_one(_fast.send, buf, dst, tag, group, async_op, backend)
+    if done is not _fast.MISS:
+        return done
     rt, g, be, _ = prepare(Op.SEND, group, buf, backend)
     peer = g.group_rank(dst, "dst")
     spans = rt.order(reads=(buf,), keep=async_op)
@@ -104,11 +111,9 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
     """Receive into ``tensor``. Blocking: returns the sender's global rank; async: a Work
     whose ``result()`` is that rank. ``src=None`` receives from any rank."""
     buf = _v.output(tensor, "tensor")
-    if buf.device.kind == "cpu":
-        done = _fast.recv(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, src, tag, group,
-                          async_op, backend, buf)
-        if done is not _fast.MISS:
-            return done
+    done = _fast_one(_fast.recv, buf, src, tag, group, async_op, backend)
+    if done is not _fast.MISS:
+        return done
     rt, g, be, _ = prepare(Op.RECV, group, buf, backend)
     peer = None if src is None else g.group_rank(src, "src")
     spans = rt.order(writes=(buf,), keep=async_op)
@@ -129,11 +134,9 @@ def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None
 # --- rooted and symmetric collectives ------------------------------------------------------
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
     buf = _v.output(tensor, "tensor")
-    if buf.device.kind == "cpu":
-        done = _fast.broadcast(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, src, group,
-                               async_op, backend, buf)
-        if done is not _fast.MISS:
-            return done
+    done = _fast_one(_fast.broadcast, buf, src, group, async_op, backend)
+    if done is not _fast.MISS:
+        return done
     rt, g, be, _ = prepare(Op.BROADCAST, group, buf, backend)
     root = g.group_rank(src, "src")
     if rt.debug:
@@ -145,11 +148,9 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
            backend=None):
     buf = _v.output(tensor, "tensor")
-    if buf.device.kind == "cpu":
-        done = _fast.reduce(get_runtime(), buf.ptr, buf.numel, buf.dtype, buf, dst, op, group,
-                            async_op, backend, buf)
-        if done is not _fast.MISS:
-            return done
+    done = _fast_one(_fast.reduce, buf, dst, op, group, async_op, backend)
+    if done is not _fast.MISS:
+        return done
     rt, g, be, op = prepare(Op.REDUCE, group, buf, backend, op)
     root = g.group_rank(dst, "dst")
     if rt.debug:
