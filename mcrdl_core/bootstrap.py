@@ -214,9 +214,13 @@ class EnvBootstrap(Bootstrap):
     mpi_reason = ("the job was launched by torchrun (RANK/WORLD_SIZE set, no MPI launcher): "
                   "launch with mpiexec to use the MPI backend")
 
-    def __init__(self, store_factory, rank: int | None = None, size: int | None = None):
+    def __init__(self, store_factory, rank: int | None = None, size: int | None = None,
+                 mpi_reason: str | None = None):
         """``rank``/``size``: what torch was told (``init_process_group(rank=,
-        world_size=)``, as under ``mp.spawn``), else RANK/WORLD_SIZE."""
+        world_size=)``, as under ``mp.spawn``), else RANK/WORLD_SIZE. ``mpi_reason``:
+        why MPI is not used, where it is not the torchrun launch (the default)."""
+        if mpi_reason is not None:
+            self.mpi_reason = mpi_reason
         self.rank = int(os.environ["RANK"]) if rank is None else int(rank)
         self.size = int(os.environ["WORLD_SIZE"]) if size is None else int(size)
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

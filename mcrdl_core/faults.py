@@ -139,8 +139,13 @@ def _join(threads, budget: float) -> list:
     return [t for t in threads if t.is_alive()]
 
 
-def install_exit_guard() -> None:
-    """Register the exit hook and note uncaught exceptions (once per process)."""
+def install_exit_guard(mpi_world: bool = False) -> None:
+    """Register the exit hook and note uncaught exceptions (once per process).
+    ``mpi_world``: the runtime was bootstrapped over ``MPI.COMM_WORLD``, so every rank
+    of the job has this hook and meets the others at exit. Sticky: a runtime started
+    among some ranks only (a members-only torch subgroup, on Gloo) leaves it unset, and
+    its exit does not wait for ranks that never start one."""
+    _state["mpi_world"] = _state.get("mpi_world", False) or bool(mpi_world)
     if _state["guard"]:
         return
     _state["guard"] = True
@@ -183,7 +188,7 @@ def _exit_barrier(budget: float) -> bool:
 def _at_exit() -> None:
     if not _config.get("MCRDL_EXIT_GUARD"):
         return
-    mpi = _mpi_initialized()
+    mpi = _mpi_initialized() and _state.get("mpi_world", False)
     if not _faults:
         if mpi:  # the peers with a fault wait for this rank here (see the module doc)
             _exit_barrier(2 * GRACE_S + 1.0)

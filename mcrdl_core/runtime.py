@@ -39,7 +39,9 @@ class Runtime:
         self.engine = _engine()
         self.engine.on_timeout = self._timed_out
         self.engine.peer_check = self.peers_gone
-        _faults.install_exit_guard()
+        # before the bootstrap, whose waits for peers may fail too
+        _faults.install_exit_guard(mpi_world=bootstrap is None
+                                   and _bootstrap.detect_kind() == "mpi")
         if timeout is not None:
             self.engine.timeout = float(timeout)
         self.bootstrap = bootstrap if bootstrap is not None else _bootstrap.create()

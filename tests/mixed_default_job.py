@@ -1,6 +1,7 @@
-"""Run by test_launches.py under mpiexec -n 2: a job whose default group is torch's gloo
-and which makes "mcrdl" subgroups (issue: the first made by its members only hung in the
-core's bootstrap, which is collective over every rank)."""
+"""Run by test_launches.py under mpiexec and torchrun, 3 ranks (members-only) or 2: a job whose default group is torch's gloo
+and which makes "mcrdl" subgroups (issue 22 item 9: the first made by its members only hung
+in the core's bootstrap, which is collective over every rank; then it was refused)."""
+import os
 import sys
 
 import torch
@@ -11,19 +12,45 @@ import mcrdl_core
 from mcrdl_torch.run import mpi_env
 
 mcrdl_autoload.register()
-mpi_env()
+if "RANK" not in os.environ:  # mpiexec (torchrun sets RANK)
+    mpi_env()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 if sys.argv[1] == "members-only":
-    # the runtime is not up yet and rank 1 never enters the creator: a clear error at
-    # once on rank 0 (not a hang in a bootstrap that waits for rank 1)
-    try:
-        g = dist.new_group([0], backend="mcrdl")
+    # the runtime is not up yet and rank 1 never enters the creator: the members start
+    # a runtime among themselves (before, this hung in a bootstrap waiting for rank 1)
+    g = dist.new_group([2, 0], backend="mcrdl", sort_ranks=False)
+    if rank in (0, 2):
+        assert dist.get_rank(g) == [2, 0].index(rank)
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full((4,), 4.0)), t
+        t = torch.full((3,), float(rank))
+        dist.broadcast(t, src=2, group=g)  # torch's global rank 2 is group rank 0
+        assert torch.equal(t, torch.full((3,), 2.0)), t
+        out = [torch.empty(2) for _ in range(2)]
+        dist.all_gather(out, torch.full((2,), float(rank)), group=g)
+        assert [o[0].item() for o in out] == [2.0, 0.0], out
+        w = dist.all_reduce(torch.ones(5), group=g, async_op=True)
+        w.wait()
+        # a later group inside the first one maps torch ranks the same way
+        g1 = dist.new_group([0], backend="mcrdl")
         if rank == 0:
-            raise SystemExit("rank 0: expected an error")
-    except Exception as exc:  # noqa: BLE001
-        assert rank == 0 and "mcrdl_core.init()" in str(exc), exc
-        print(f"rank {rank}: refused: {type(exc).__name__}", flush=True)
+            t = torch.ones(2)
+            dist.all_reduce(t, group=g1)
+            assert torch.equal(t, torch.ones(2))
+        # one with a rank outside the runtime's world is refused (on the members that
+        # have the runtime) with the remedy, before anything is sent
+        if rank == 0:
+            try:
+                dist.new_group([0, 1], backend="mcrdl", use_local_synchronization=True)
+                raise SystemExit("rank 0: expected an error")
+            except Exception as exc:  # noqa: BLE001
+                assert "mcrdl_core.init()" in str(exc) and "[1]" in str(exc), exc
+                print(f"rank {rank}: refused: {type(exc).__name__}", flush=True)
+        assert mcrdl_core.get_runtime().world_size == 2
+    else:
+        assert g is None or g == dist.GroupMember.NON_GROUP_MEMBER, g
     dist.barrier()
 else:  # the documented remedy: start the runtime on every rank first
     mcrdl_core.init()

@@ -85,10 +85,24 @@ def test_torchrun_restart_rendezvouses_afresh():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode", ["members-only", "runtime-first"])
-def test_mcrdl_subgroups_under_a_gloo_default_group(mode):
-    out = _mpiexec(2, "mixed_default_job.py", mode)
-    assert "rank 0: mixed default ok" in out and "rank 1: mixed default ok" in out, out[-6000:]
+@pytest.mark.parametrize("launcher,mode", [("mpiexec", "members-only"),
+                                           ("mpiexec", "runtime-first"),
+                                           ("torchrun", "members-only")])
+def test_mcrdl_subgroups_under_a_gloo_default_group(launcher, mode):
+    n = 3 if mode == "members-only" else 2
+    if launcher == "mpiexec":
+        out = _mpiexec(n, "mixed_default_job.py", mode)
+    else:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+               "--nproc_per_node", str(n), str(ROOT / "tests" / "mixed_default_job.py"), mode]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                              env=_env(MCRDL_TIMEOUT="30"))
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-6000:]
+    for r in range(n):
+        assert f"rank {r}: mixed default ok" in out, out[-6000:]
+    if mode == "members-only":
+        assert "rank 0: refused: InvalidArgumentError" in out, out[-6000:]
 
 
 @pytest.mark.multirank

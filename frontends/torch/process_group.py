@@ -20,7 +20,9 @@ Without one, the core's usual order applies (``MCRDL_BACKEND``, table, policy).
 Ranks: torch passes group ranks (roots, peers); the core takes global ranks, so the
 group maps them. Subgroups: torch 2.13 hands ``new_group`` to the default group's
 ``new_group`` on every rank; the core group is made on every rank, keyed by torch's
-group name (which the members share), and non-members get None.
+group name (which the members share), and non-members get None. Under another default
+backend, torch calls the creator on the members only: without a runtime yet, they start
+one among themselves (see ``create``).
 
 Rendezvous: the core bootstraps itself (MPI under ``mpiexec``, torchrun's store under
 ``torchrun``); the store torch hands to the creator is not used for data. The rank
@@ -748,12 +750,19 @@ def create(dist_opts, backend_options=None) -> McrdlProcessGroup:
         boot = _bootstrap.EnvBootstrap(lambda _: store, dist_opts.group_rank,
                                        dist_opts.group_size)
     if ranks and not core.is_initialized():
-        raise InvalidArgumentError(
-            f"new_group({ranks}, backend='mcrdl') under a {dist.get_backend()!r} default group: "
-            "the MCR-DL runtime is not started, and starting it here would wait for every "
-            "rank of the job while only the group's members make this call. Call "
-            "mcrdl_core.init() on every rank first (after init_process_group), or make "
-            "'mcrdl' the default backend")
+        # a subgroup made by its members only under another default backend: the
+        # runtime starts among the members, on the group's own store (Gloo only: MPI's
+        # bootstrap would wait for every rank of the job)
+        store = dist.PrefixStore(f"{_bootstrap.store_prefix()}/members", dist_opts.store)
+        boot = _bootstrap.EnvBootstrap(
+            lambda _: store, dist_opts.group_rank, dist_opts.group_size,
+            mpi_reason=(f"the MCR-DL runtime was started by the members of "
+                        f"new_group({ranks}, backend='mcrdl') only (the default group is "
+                        f"{dist.get_backend()!r}), on Gloo; call mcrdl_core.init() on every "
+                        "rank before making the group to use MPI"))
+    rt = core.init(timeout=secs, bootstrap=boot)
+    if boot is not None and ranks:
+        _MEMBERS_ONLY.update(runtime=rt, ranks=list(ranks))
     rt = core.init(timeout=secs, bootstrap=boot)
     if not ranks:  # the default group
         if dist_opts.group_size != rt.world_size or dist_opts.group_rank != rt.rank:
@@ -767,9 +776,30 @@ def create(dist_opts, backend_options=None) -> McrdlProcessGroup:
         # a subgroup made through the creator (the default group is another backend):
         # only members get here, so the core group's id comes from torch's group name,
         # which every member shares, instead of a creation counter
-        group = rt.new_group(ranks, name=str(dist_opts.group_id),
+        group = rt.new_group(_core_ranks(rt, ranks), name=str(dist_opts.group_id),
                              key=f"torch:{dist_opts.group_id}")
     return with_cpu_backend(McrdlProcessGroup(group, backend_options, timeout))
+
+
+#: the runtime started by a members-only subgroup and the torch ranks of its world
+_MEMBERS_ONLY: dict = {}
+
+
+def _core_ranks(rt, ranks: list) -> list:
+    """The core ranks of torch's global ``ranks``: the same, except in a runtime started
+    by the members of a subgroup (its world is those members, in torch's order)."""
+    if _MEMBERS_ONLY.get("runtime") is not rt:
+        return ranks
+    world = _MEMBERS_ONLY["ranks"]
+    outside = [r for r in ranks if r not in world]
+    if outside:
+        raise InvalidArgumentError(
+            f"new_group({ranks}, backend='mcrdl'): the MCR-DL runtime of this process was "
+            f"started by the members of an earlier mcrdl group ({world}) only, and ranks "
+            f"{outside} are outside it; call mcrdl_core.init() on every rank (after "
+            "init_process_group) before making any mcrdl subgroup, or make 'mcrdl' the "
+            "default backend")
+    return [world.index(r) for r in ranks]
 
 
 def with_cpu_backend(pg: "McrdlProcessGroup") -> "McrdlProcessGroup":
