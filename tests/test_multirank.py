@@ -1,5 +1,5 @@
-"""Launch the multi-rank suite (tests/mpi/) under mpiexec at 1, 2 and 3 ranks, and a
-Gloo job under torchrun. A hang is a failure: each launch has a hard timeout, each
+"""Launch the multi-rank suite (tests/mpi/) under mpiexec at 1, 2 and 3 ranks, its
+process-group files again under torchrun at 3 ranks, and a Gloo job under torchrun. A hang is a failure: each launch has a hard timeout, each
 inner test has pytest-timeout, and every MCR-DL wait has MCRDL_TIMEOUT."""
 import json
 import os
@@ -89,3 +89,31 @@ def test_torchrun_launch_uses_gloo_and_explains_mpi():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     assert out.count("torchrun job ok") == 2, out[-4000:]
+
+
+#: the "mcrdl" process group's own tests, run again under torchrun (issue 22): no MPI
+#: launcher, so the runtime bootstraps on torch's store and Gloo does the work
+PG_FILES = ("test_pg_semantics.py", "test_pg_threads.py", "test_process_group.py",
+            "test_pg_device_backend.py")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_process_group_suite_under_torchrun(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(BIN))
+    assert torchrun, "torchrun not found next to the interpreter"
+    env = _env(MCRDL_RESULTS_DIR=str(tmp_path))
+    for v in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDRA_CONTROL_FD"):
+        env.pop(v, None)
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "3", "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", "--timeout=120", "-o", "addopts=", *PG_FILES]
+    proc = _run(cmd, 500, env)
+    out = proc.stdout + proc.stderr
+    tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
+    assert sorted(tallies) == [0, 1, 2], f"a rank reported nothing:\n{out[-4000:]}"
+    for r, t in tallies.items():
+        assert t["failed"] == 0 and t["error"] == 0 and t["exitstatus"] == 0, (r, t)
+        assert t["passed"] > 60, (r, t)
+        threads = [i for i in t["passed_ids"] if "test_pg_threads.py::" in i]
+        assert len(threads) >= 9, (r, threads)  # PowerSGD, two threads, abort, timeouts

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-RANK = int(os.environ.get("PMI_RANK", 0))
+RANK = int(os.environ.get("PMI_RANK", os.environ.get("RANK", 0)))  # mpiexec, torchrun
 # far beyond what any step here needs; reached only by a hang
 HANG_S = float(os.environ.get("MCRDL_TEST_HANG_S", 120))
 
