@@ -163,7 +163,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         work.engine = eng
         eng.inflight.append(work)
         return work
-    if not _spin_polling(eng, req.Test):  # then the engine's loop: timeout, diagnostics
+    test = req.Test  # nothing else in flight: no poll lock needed (see _run)
+    if not test() and not _spin(test, eng.spin_s):  # then the engine: timeout, diagnostics
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
@@ -257,6 +258,16 @@ def _run(rt, be, op, g, issue, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     conflicts with work in flight or deferred work is pending."""
     eng = rt.engine
     inflight = eng.inflight
+    if not (async_op or inflight or eng.pending or rt.logger.enabled):
+        # the common case, first and lean (half the cost of the general code below): a
+        # blocking call alone on this rank spins on its request, without the poll lock
+        # (nothing else is in flight for a progress thread to poll), then the engine's
+        # wait with its timeout and diagnostics
+        req = issue(*args)
+        test = req.Test
+        if not test() and not _spin(test, eng.spin_s):
+            be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
+        return req if req_back else None
     if inflight or async_op:
         spans = ((rlo, rhi, False), (wlo, whi, True))
         if eng.pending or (inflight and _conflicts(inflight, spans)):
