@@ -16,7 +16,9 @@ host has more ranks than cores (3 ranks on 2 cores), it spins ``MCRDL_SPIN_US`` 
 (default 100) and then yields the CPU (``sleep(0)``) between polls, so that the rank
 doing the work gets the core. With no host-driven work in flight, it yields after the
 spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
-their own threads and engines.
+their own threads and engines. A wait whose works are all done by helper threads
+(``Work.block``: Gloo's send, recv and reduce-scatter) with nothing host-driven in flight
+joins the thread instead (a spinning waiter would keep the GIL the helper needs).
 
 Threads. The engine is shared by every thread of the process (a training loop, a
 checkpoint or metrics thread, mcrdl_torch's progress thread), and no thread keeps it
@@ -223,6 +225,9 @@ class ProgressEngine:
         yield_until = start + 0.002
         nap = 1e-5
         check_at = start + CHECK_S
+        # works finished by helper threads (ThreadWork) need the GIL: with no host-driven
+        # work in flight, the loop blocks on them (GIL released) instead of spinning
+        threaded = all(w.block is not None for w in pending)
         while True:
             if poll_lock.acquire(False):
                 try:
@@ -245,6 +250,9 @@ class ProgressEngine:
                     if self.on_timeout is not None:
                         self.on_timeout(unfinished, err)
                     raise err
+            if threaded and not any(w.host_progress for w in self.inflight):
+                next(w for w in pending if not w._done).block(1e-3)
+                continue
             if now < spin_until:
                 continue
             if any(w.host_progress for w in self.inflight):
@@ -263,8 +271,8 @@ class ProgressEngine:
         progress loop here, since no other library has work in flight; afterwards the
         loop below takes over, with its timeout. Skipped (False) while another thread
         polls."""
-        if not self.poll_lock.acquire(False):
-            return False
+        if w.block is not None or not self.poll_lock.acquire(False):
+            return False  # (a helper thread's work: the loop blocks on it, see _loop)
         try:
             if not w._done:
                 try:
