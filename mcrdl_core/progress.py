@@ -66,6 +66,11 @@ log = logging.getLogger("mcrdl.progress")
 
 #: seconds between two ``peer_check`` calls of a wait (the first after as long)
 CHECK_S = 0.25
+#: a pass of the wait loop that took longer than this (a pass takes a few µs) means the
+#: process lost its core to another; the waits of the next CONTENDED_S seconds then yield
+#: the CPU between polls after the spin, as they do where ranks outnumber cores
+PREEMPTED_S = 200e-6
+CONTENDED_S = 1.0
 
 
 class ProgressEngine:
@@ -85,6 +90,8 @@ class ProgressEngine:
         self.timeout = _config.get("MCRDL_TIMEOUT")
         self.spin_s = _config.get("MCRDL_SPIN_US") * 1e-6
         self.oversubscribed = False  # more ranks than cores on this host: yield when idle
+        # until when this process counts as competing for its core (see _loop)
+        self.contended_until = 0.0
         # called with (unfinished works, error) when a wait runs past the runtime's own
         # timeout, before it raises: the runtime marks their groups broken (faults.py)
         self.on_timeout = None
@@ -228,6 +235,7 @@ class ProgressEngine:
         # works finished by helper threads (ThreadWork) need the GIL: with no host-driven
         # work in flight, the loop blocks on them (GIL released) instead of spinning
         threaded = all(w.block is not None for w in pending)
+        last = start
         while True:
             if poll_lock.acquire(False):
                 try:
@@ -253,11 +261,14 @@ class ProgressEngine:
             if threaded and not any(w.host_progress for w in self.inflight):
                 next(w for w in pending if not w._done).block(1e-3)
                 continue
+            if now - last > PREEMPTED_S:  # one pass took far longer than a pass takes:
+                self.contended_until = now + CONTENDED_S  # the CPU was taken from us
+            last = now
             if now < spin_until:
                 continue
             if any(w.host_progress for w in self.inflight):
-                if self.oversubscribed:
-                    time.sleep(0)
+                if self.oversubscribed or now < self.contended_until:
+                    os.sched_yield()  # let the peer (or whoever needs the core) run
             elif now < yield_until:
                 time.sleep(0)
             else:
