@@ -162,7 +162,10 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
                compression=None):
     """``compression``: allow a codec (docs/compression.md); None: MCRDL_COMPRESSION/off.
-    Small host calls with nothing else in flight take ``fastpath`` (same checks, memoized)."""
+    Small host calls with nothing else in flight take ``fastpath`` (same checks, memoized).
+    ``backend="hier"`` / ``"hier:NAME"``: the two-level all-reduce (``mcrdl_core.hier``)."""
+    if backend.__class__ is str and backend[:4] == "hier":
+        return _hierarchical(tensor, op, group, async_op, backend, compression)
     if compression is None and type(tensor) is _ndarray:
         done = _fast.ndarray_all_reduce(get_runtime(), tensor, op, group, async_op, backend)
         if done is not _fast.MISS:
@@ -180,6 +183,22 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
         _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.all_reduce(g, buf, op), spans, async_op, buf.nbytes)
+
+
+def _hierarchical(tensor, op, group, async_op, backend, compression):
+    """``all_reduce(..., backend="hier")``: checked as any all-reduce (the flat choice
+    for the checks: dtype, reduce op, group), then the ``hierarchical`` transform."""
+    t = _hooks.transform("hierarchical")
+    name = t.inner(backend)
+    if compression is not None:
+        raise _v.InvalidArgumentError(
+            f"all_reduce(backend={backend!r}, compression={compression!r}): the hierarchical "
+            "all-reduce is lossless and takes no compression; drop one of the two")
+    buf = _v.output(tensor, "tensor")
+    rt, g, be, op = prepare(Op.ALL_REDUCE, group, buf, name, op)
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
+    return t.all_reduce(rt, g, buf, op, backend, async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,

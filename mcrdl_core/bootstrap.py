@@ -38,7 +38,7 @@ import socket
 import zlib
 
 from . import config as _config
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, InvalidArgumentError
 
 MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
                      "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -72,8 +72,13 @@ class Bootstrap:
         (index: rank)."""
         names = [name for name, _ in entries]
         self.proc_of = tuple(ident for _, ident in entries)
+        self.all_local = len(set(names)) == 1  # the real machines (Gloo's device)
+        k = _config.get("MCRDL_RANKS_PER_HOST")
+        if k:  # emulated hosts: blocks of k consecutive ranks
+            if k < 1:
+                raise InvalidArgumentError(f"MCRDL_RANKS_PER_HOST={k}: must be at least 1")
+            names = [f"{name}#{r // k}" for r, name in enumerate(names)]
         self.host_of = tuple(names)
-        self.all_local = len(set(names)) == 1
         self.local_size = names.count(names[self.rank])
         self.local_rank = names[:self.rank].count(names[self.rank])
         self._spans: dict = {}

@@ -94,6 +94,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("MCRDL_BOOTSTRAP", "`auto`, `mpi` or `env`", "auto", "`auto`",
         "how ranks find each other: MPI, or torchrun's variables; `auto` looks at the "
         "launcher's environment", _choice("auto", "mpi", "env")),
+    Var("MCRDL_RANKS_PER_HOST", "int >= 1", None, "unset (the real hosts)",
+        "pretend that every k consecutive ranks share a host (which ranks the hierarchical "
+        "algorithms group): to test them on one machine", _int),
     Var("MCRDL_SPIN_US", "float, µs", 100.0, "`100`",
         "how long a wait spins before it yields the CPU (and the fast path polls)", _float),
     Var("MCRDL_COMM_LOG", "bool", False, "off",

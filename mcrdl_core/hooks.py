@@ -1,8 +1,9 @@
 """Transforms of the call pipeline, registered by name and loaded on first use.
 
 A transform takes over the calls it applies to instead of the backend's own collective:
-the compressed variants now (``compression``: ``mcrdl_core.compress.entry:TRANSFORM``),
-other algorithms later. The api looks a transform up here by name, so it imports none
+the compressed variants (``compression``: ``mcrdl_core.compress.entry:TRANSFORM``) and
+the two-level all-reduce (``hierarchical``: ``mcrdl_core.hier:TRANSFORM``,
+``backend="hier"``). The api looks a transform up here by name, so it imports none
 of them (a transform may import the api: it is above it), and a program that never
 allows compression never loads that package. ``register_transform`` replaces one, as
 ``register_backend`` does for backends (a test's stand-in, another implementation).
@@ -14,6 +15,7 @@ from .backend import load_attr
 #: name -> "module:attribute" of the transform object (or the object once loaded)
 TRANSFORMS: dict[str, object] = {
     "compression": "mcrdl_core.compress.entry:TRANSFORM",
+    "hierarchical": "mcrdl_core.hier:TRANSFORM",
 }
 
 

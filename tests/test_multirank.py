@@ -117,3 +117,22 @@ def test_process_group_suite_under_torchrun(tmp_path):
         assert t["passed"] > 60, (r, t)
         threads = [i for i in t["passed_ids"] if "test_pg_threads.py::" in i]
         assert len(threads) >= 9, (r, threads)  # PowerSGD, two threads, abort, timeouts
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("nranks,per_host", [(4, 2), (6, 3)])
+def test_hierarchical_all_reduce_on_emulated_hosts(nranks, per_host, tmp_path):
+    """tests/mpi/test_hier.py where the bootstrap groups every ``per_host`` consecutive
+    ranks as one host (MCRDL_RANKS_PER_HOST), so that the two-level all-reduce runs
+    (the suite's own launches run the same file flat)."""
+    cmd = [MPIEXEC, "-n", str(nranks), sys.executable, "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", "--timeout=120", "-o", "addopts=", "test_hier.py"]
+    proc = _run(cmd, 300, _env(MCRDL_RESULTS_DIR=str(tmp_path),
+                               MCRDL_RANKS_PER_HOST=str(per_host)))
+    out = proc.stdout + proc.stderr
+    tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
+    assert sorted(tallies) == list(range(nranks)), f"a rank reported nothing:\n{out[-4000:]}"
+    for r, t in tallies.items():
+        assert t["failed"] == 0 and t["error"] == 0 and t["skipped"] == 0, (r, t)
+        assert t["passed"] >= 50, (r, t)

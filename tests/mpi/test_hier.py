@@ -1,0 +1,115 @@
+"""The two-level all-reduce (``backend="hier"``, mcrdl_core/hier.py) against NumPy on
+every rank. Hierarchical where the launch emulates hosts (``MCRDL_RANKS_PER_HOST=2`` at
+4 ranks and ``=3`` at 6, from tests/test_multirank.py); elsewhere the same calls run flat, which is part
+of the contract (``hier`` is always a valid request)."""
+import numpy as np
+import pytest
+import torch
+
+import mcrdl_core as core
+import mcrdl_torch as dist
+from mcrdl_core import config as _config
+from mcrdl_core import hier
+from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.logger import logger
+
+RANK, SIZE = dist.get_rank(), dist.get_world_size()
+K = _config.get("MCRDL_RANKS_PER_HOST") or 0  # ranks per emulated host
+EMULATED = K >= 2 and SIZE % K == 0 and SIZE // K >= 2
+
+
+def _vals(rank, n, dtype, salt=0):
+    return ((np.arange(n) * 5 + rank * 3 + salt) % 7 + 1).astype(dtype)
+
+
+def _expect(n, dtype, op):
+    xs = np.stack([_vals(r, n, dtype) for r in range(SIZE)])
+    return {"sum": xs.sum(0), "max": xs.max(0), "min": xs.min(0), "prod": xs.prod(0),
+            "avg": xs.mean(0)}[op].astype(dtype)
+
+
+def test_the_world_is_hierarchical_where_hosts_are_emulated():
+    rt = core.get_runtime()
+    lv = hier.levels(rt, rt.world)
+    if not EMULATED:
+        assert lv is None or rt.bootstrap.hosts_in(rt.world.ranks) > 1
+        pytest.skip("no emulated hosts in this launch: the calls below run flat")
+    intra, inter = lv
+    assert intra.size == K and inter.size == SIZE // K
+    assert sorted(intra.ranks) == list(range(RANK - RANK % K, RANK - RANK % K + K))
+    assert all(r % K == RANK % K for r in inter.ranks)
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000])
+@pytest.mark.parametrize("dtype,op", [(np.float32, "sum"), (np.float64, "avg"),
+                                      (np.int32, "max"), (np.int64, "min"),
+                                      (np.float64, "prod")])
+@pytest.mark.parametrize("backend", ["hier", "hier:mpi", "hier:gloo"])
+def test_all_reduce(n, dtype, op, backend):
+    x = _vals(RANK, n, dtype)
+    core.all_reduce(x, op=op, backend=backend)
+    np.testing.assert_allclose(x, _expect(n, dtype, op), rtol=1e-6)
+
+
+def test_zero_elements_and_the_logged_algorithm():
+    x = np.empty(0, np.float32)
+    core.all_reduce(x, backend="hier")
+    logger().enable()
+    logger().clear()
+    try:
+        y = _vals(RANK, 10, np.float32)
+        core.all_reduce(y, backend="hier:mpi")
+        names = [rec[2] for rec in logger().records if rec[0] == "all_reduce"]
+    finally:
+        logger().disable()
+    np.testing.assert_allclose(y, _expect(10, np.float32, "sum"))
+    assert names == (["hier(mpi/mpi/mpi)"] if EMULATED else ["mpi"]), names
+
+
+def test_several_in_flight_with_other_work():
+    """Two hierarchical all-reduces and a plain all-gather in flight at once, waited in
+    reverse order: each result is its own."""
+    a, b = _vals(RANK, 64, np.float32), _vals(RANK, 33, np.float64, salt=1)
+    src, out = np.full(3, RANK, np.int32), np.empty(3 * SIZE, np.int32)
+    works = [core.all_reduce(a, backend="hier", async_op=True),
+             core.all_gather_into_tensor(out, src, backend="gloo", async_op=True),
+             core.all_reduce(b, op="max", backend="hier:gloo", async_op=True)]
+    for w in reversed(works):
+        w.wait()
+    np.testing.assert_allclose(a, _expect(64, np.float32, "sum"))
+    xs = np.stack([_vals(r, 33, np.float64, salt=1) for r in range(SIZE)])
+    np.testing.assert_allclose(b, xs.max(0))
+    np.testing.assert_array_equal(out, np.repeat(np.arange(SIZE), 3))
+
+
+def test_a_reversed_subgroup_and_a_one_host_subgroup():
+    g = core.new_group(list(reversed(range(SIZE))))
+    x = _vals(RANK, 9, np.float32)
+    core.all_reduce(x, group=g, backend="hier")
+    np.testing.assert_allclose(x, _expect(9, np.float32, "sum"))
+    if SIZE >= 2:
+        pair = core.new_group([0, 1])  # one emulated host (or 2 x 1 rank): flat
+        y = np.full(4, float(RANK + 1), np.float32)
+        if RANK in (0, 1):
+            core.all_reduce(y, group=pair, backend="hier")
+            np.testing.assert_allclose(y, np.full(4, 3.0))
+
+
+def test_torch_frontend():
+    t = torch.full((6,), float(RANK + 1))
+    dist.all_reduce(t, backend="hier")
+    assert torch.equal(t, torch.full((6,), SIZE * (SIZE + 1) / 2))
+    w = dist.all_reduce(t, op=dist.ReduceOp.MAX, backend="hier:mpi", async_op=True)
+    w.wait()
+    assert torch.equal(t, torch.full((6,), SIZE * (SIZE + 1) / 2))
+
+
+@pytest.mark.parametrize("backend", ["hier:", "hierx", "hier:hier"])
+def test_bad_requests_fail_before_anything_is_sent(backend):
+    with pytest.raises(InvalidArgumentError, match="hier:NAME"):
+        core.all_reduce(np.ones(2, np.float32), backend=backend)
+
+
+def test_compression_is_refused():
+    with pytest.raises(InvalidArgumentError, match="lossless"):
+        core.all_reduce(np.ones(2, np.float32), backend="hier", compression="fp16")
