@@ -122,7 +122,8 @@ def _run_sweep(rt, args, backends, title, compression=()):
 def _tune_codecs(text: str | None, device: str, ops) -> tuple:
     """The codecs of ``--compression`` ("fp16,int8"), checked before anything is sent:
     known codec names (no algorithm: the sweep measures ring, and a2a for
-    reduce_scatter), usable on ``device``. Empty without the option."""
+    reduce_scatter, the encoded all-to-all for all_to_all), usable on ``device``. Empty
+    without the option."""
     if not text:
         return ()
     from .compress.spec import make_codec
@@ -133,7 +134,7 @@ def _tune_codecs(text: str | None, device: str, ops) -> tuple:
         if "@" in c or "+" in c or c.startswith("auto") or c == "table":
             raise SystemExit(f"mcrdl tune: --compression takes codec names (e.g. fp16,int8), "
                              f"not {c!r}: the sweep measures each codec's ring (and a2a for "
-                             "reduce_scatter) over every backend itself")
+                             "reduce_scatter and all_to_all) over every backend itself")
         try:
             make_codec(c, "float32").check_device(device)
         except McrdlError as exc:

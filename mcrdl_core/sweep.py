@@ -64,9 +64,10 @@ def array_module(device: str):
 
 
 #: the compressed algorithms measured per op (all_gather's a2a, one backend all-gather
-#: of the encoded bytes, is left out: it is the ring's wire volume in one call)
+#: of the encoded bytes, is left out: it is the ring's wire volume in one call);
+#: all_to_all has one: each destination's block encoded once, one backend all-to-all
 COMPRESSED_ALGORITHMS = {"all_gather": ("ring",), "reduce_scatter": ("ring", "a2a"),
-                         "all_reduce": ("ring",)}
+                         "all_reduce": ("ring",), "all_to_all": ("a2a",)}
 
 
 def compressed_columns(op: str, backends, codecs) -> list[str]:
@@ -142,7 +143,15 @@ def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=Non
     if op == "reduce_scatter":
         return lambda: api.reduce_scatter_tensor(x, big, **kw)
     if op == "all_to_all":  # the selection size of all-to-all is the whole input
-        inp = xp.ones(element_count(op, nbytes, n, x.itemsize), dtype=dtype)
+        total = element_count(op, nbytes, n, x.itemsize)
+        if compression is not None:  # N(0, 1), shared by the point's compressed columns
+            key = ("a2a", total)
+            if key not in pool:
+                pool[key] = xp.asarray(np.random.default_rng(1).standard_normal(total)
+                                       .astype(dtype))
+            inp = pool[key]
+        else:
+            inp = xp.ones(total, dtype=dtype)
         out = xp.empty_like(inp)
         return lambda: api.all_to_all_single(out, inp, **kw)
     if op == "gather":

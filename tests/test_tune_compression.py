@@ -176,6 +176,8 @@ def test_sweep_columns():
     assert cols == ["mpi+int8@ring", "gloo+int8@ring", "mpi+int8@a2a", "gloo+int8@a2a"]
     assert sweep.compressed_columns("all_gather", ["mpi"], ("fp16", "int8")) == \
         ["mpi+fp16@ring", "mpi+int8@ring"]
+    assert sweep.compressed_columns("all_to_all", ["mpi", "gloo"], ("fp16",)) == \
+        ["mpi+fp16@a2a", "gloo+fp16@a2a"]
     assert sweep.compressed_columns("broadcast", ["mpi"], ("int8",)) == []
     assert sweep.split_column("mpi+int8:512@a2a") == ("mpi", "int8:512@a2a")
     assert sweep.split_column("mpi@2") == ("mpi", None)

@@ -105,3 +105,60 @@ def test_variants_named_by_the_table_are_the_ones_that_run(tuned):
     mc.all_gather_into_tensor(out, x, compression="auto:int8")
     for k in range(SIZE):  # one int8 encoding per block: bit-identical to a round trip
         assert np.array_equal(out[k * n:(k + 1) * n], local_round_trip("int8", data(k, n, 3)))
+
+
+@pytest.fixture(scope="module")
+def tuned_a2a():
+    """``mcrdl tune --compression int8 --ops all_to_all`` (issue 25 item 3): the
+    compressed all-to-all measured as a candidate beside the plain one."""
+    folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mcrdl-tune-") if RANK == 0 else None)
+    path = os.path.join(folder, "tuning.json")
+    assert cli.main(["tune", "--compression", "int8", "--sizes", *map(str, SIZES),
+                     "--ops", "all_to_all", "--trials-scale", "0.05", "-o", path]) == 0
+    MPI.COMM_WORLD.Barrier()
+    table = TuningTable.load(path)
+    rt = mc.get_runtime()
+    before = rt.table
+    yield rt, table
+    rt.set_table(before)
+    MPI.COMM_WORLD.Barrier()
+    if RANK == 0:
+        os.remove(path)
+        os.rmdir(folder)
+
+
+def test_tune_measures_the_compressed_all_to_all_and_auto_follows_it(tuned_a2a):
+    rt, table = tuned_a2a
+    assert agreed(json.dumps(table.data["entries"], sort_keys=True))
+    entry = [e for e in table.data["entries"] if e["op"] == "all_to_all"][0]
+    assert entry["compressed"]["codecs"] == ["int8"]
+    for _, variants in entry["compressed"]["ranges"]:
+        assert all(v.endswith("+int8@a2a") for v in variants), variants
+    # the table edited to name the compressed variant above the small size: the even
+    # call of the large size and every uneven call (the largest range) compress, with
+    # each block bit-identical to its sender's local round trip
+    data_ = json.loads(json.dumps(table.data))
+    data_["entries"][data_["entries"].index(entry)]["compressed"]["ranges"] = \
+        [[SIZES[0], []], [None, ["gloo+int8@a2a"]]]
+    rt.set_table(TuningTable(data_))
+    for nbytes, want in ((SIZES[0], "plain"), (SIZES[1], "int8@a2a on gloo")):
+        n = nbytes // 4 // SIZE  # elements per peer: the selection size is the whole input
+        x = data(RANK, SIZE * n, 4)
+        out = np.empty_like(x)
+        mc.all_to_all_single(out, x, compression="auto:int8")
+        for k in range(SIZE):
+            block = data(k, SIZE * n, 4)[RANK * n:(RANK + 1) * n]
+            got = out[k * n:(k + 1) * n]
+            if want == "plain":
+                assert np.array_equal(got, block), nbytes
+            else:
+                assert np.array_equal(got, local_round_trip("int8", block)), nbytes
+    splits = [3 + k for k in range(SIZE)]  # uneven: rank k gets 3 + k rows from each
+    x = data(RANK, sum(splits), 5)
+    out = np.empty((3 + RANK) * SIZE, np.float32)
+    mc.all_to_all_single(out, x, [3 + RANK] * SIZE, splits, compression="auto:int8")
+    offs = np.cumsum([0] + splits)
+    for k in range(SIZE):
+        block = data(k, sum(splits), 5)[offs[RANK]:offs[RANK + 1]]
+        assert np.array_equal(out[k * (3 + RANK):(k + 1) * (3 + RANK)],
+                              local_round_trip("int8", block))
