@@ -27,14 +27,13 @@ def agreed(value) -> bool:
     return len(set(MPI.COMM_WORLD.allgather(value))) == 1
 
 
-@pytest.fixture(scope="module")
-def tuned():
-    """The table ``mcrdl tune --compression int8`` writes (rank 0) into a shared path."""
+def _tuned(*ops):
+    """The table ``mcrdl tune --compression int8 --ops OPS`` writes (rank 0) into a
+    shared path, in force for the module's tests (the runtime's table is put back)."""
     folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mcrdl-tune-") if RANK == 0 else None)
     path = os.path.join(folder, "tuning.json")
     assert cli.main(["tune", "--compression", "int8", "--sizes", *map(str, SIZES),
-                     "--ops", "all_gather", "reduce_scatter", "--trials-scale", "0.05",
-                     "-o", path]) == 0
+                     "--ops", *ops, "--trials-scale", "0.05", "-o", path]) == 0
     MPI.COMM_WORLD.Barrier()
     table = TuningTable.load(path)
     rt = mc.get_runtime()
@@ -45,6 +44,11 @@ def tuned():
     if RANK == 0:
         os.remove(path)
         os.rmdir(folder)
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    yield from _tuned("all_gather", "reduce_scatter")
 
 
 def check_calls(salt):
@@ -109,22 +113,8 @@ def test_variants_named_by_the_table_are_the_ones_that_run(tuned):
 
 @pytest.fixture(scope="module")
 def tuned_a2a():
-    """``mcrdl tune --compression int8 --ops all_to_all`` (issue 25 item 3): the
-    compressed all-to-all measured as a candidate beside the plain one."""
-    folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mcrdl-tune-") if RANK == 0 else None)
-    path = os.path.join(folder, "tuning.json")
-    assert cli.main(["tune", "--compression", "int8", "--sizes", *map(str, SIZES),
-                     "--ops", "all_to_all", "--trials-scale", "0.05", "-o", path]) == 0
-    MPI.COMM_WORLD.Barrier()
-    table = TuningTable.load(path)
-    rt = mc.get_runtime()
-    before = rt.table
-    yield rt, table
-    rt.set_table(before)
-    MPI.COMM_WORLD.Barrier()
-    if RANK == 0:
-        os.remove(path)
-        os.rmdir(folder)
+    """The compressed all-to-all measured as a candidate (issue 25 item 3)."""
+    yield from _tuned("all_to_all")
 
 
 def test_tune_measures_the_compressed_all_to_all_and_auto_follows_it(tuned_a2a):
