@@ -2,17 +2,24 @@
 MCR-DL's registered backend, one host, samples per second and communication share.
 
     .venv/bin/python bench/apps/table.py --ranks 2 3 [--steps 15] [--repeats 3] [--tune]
-    .venv/bin/python bench/apps/table.py --ranks 2 --cluster 1gbit --tune   # emulated cluster
+    sudo .venv/bin/python bench/apps/table.py --ranks 4 --cluster 1gbit --hosts 2 --tune
 
 Per app and rank count it launches (``mpiexec -n N``, the programs unchanged but for
 ``init_process_group(backend, pg_options=...)``):
 
 - ``gloo (torch)``: ``init_process_group("gloo")``, the CPU PyTorch user's baseline;
 - ``mcrdl: mpi`` / ``mcrdl: gloo``: every op forced to one library (``pg_options``);
-- ``mcrdl: mixed``: all_to_all on one library, all_reduce on the other (both ways);
-- ``mcrdl: tuned``: no choice given; the tuning table decides per op and size. With
-  ``--tune`` the table is measured first (``mcrdl tune`` on all_reduce and all_to_all
-  at the apps' message sizes, on the same ranks), into bench/out/apps_tuning.json.
+- ``mcrdl: tuned``: no choice given; the tuning table decides per op and size (lossless);
+- ``mcrdl: tuned + a2a fp16``: the same table, and the job allows fp16 on its
+  all-to-alls (``MCRDL_COMPRESSION=all_to_all=auto:fp16``): the table's compressed
+  all-to-all measurements decide where it pays;
+- ``mcrdl: mpi (A/A)``: forced MPI again, the noise floor;
+- with ``--mixed``: all_to_all on one library, all_reduce on the other (both ways).
+
+With ``--tune`` the table is measured first (``mcrdl tune`` on all_reduce and all_to_all
+at the apps' message sizes, the fp16 all-to-all as a candidate, on the same ranks), into
+bench/out/apps_tuning*.json. ``--cluster RATE --hosts H`` runs everything on the
+emulated cluster (H hosts, N/H ranks each).
 
 Every variant's losses are compared with the Gloo baseline's (the same seeds: they
 differ only by the order of reductions). Runs are repeated ``--repeats`` times in
@@ -35,19 +42,27 @@ ROOT = HERE.parent.parent
 OUT = ROOT / "bench" / "out"
 BIN = Path(sys.executable).parent
 
-VARIANTS = [("gloo (torch)", "gloo", None), ("mcrdl: mpi", "mcrdl", "mpi"),
-            ("mcrdl: gloo", "mcrdl", "gloo"),
-            ("mcrdl: a2a mpi, ar gloo", "mcrdl", "all_to_all=mpi,all_reduce=gloo"),
-            ("mcrdl: a2a gloo, ar mpi", "mcrdl", "all_to_all=gloo,all_reduce=mpi"),
-            ("mcrdl: tuned", "mcrdl", "")]
+#: (name, torch backend, pg_options, extra environment, uses the tuning table)
+CODECS = "fp16"  # what the "tuned + codecs" variant allows, on all_to_all only
+VARIANTS = [("gloo (torch)", "gloo", None, {}, False),
+            ("mcrdl: mpi", "mcrdl", "mpi", {}, False),
+            ("mcrdl: gloo", "mcrdl", "gloo", {}, False),
+            ("mcrdl: tuned", "mcrdl", "", {}, True),
+            (f"mcrdl: tuned + a2a {CODECS}", "mcrdl", "",
+             {"MCRDL_COMPRESSION": f"all_to_all=auto:{CODECS}"}, True),
+            ("mcrdl: mpi (A/A)", "mcrdl", "mpi", {}, False)]
+MIXED = [("mcrdl: a2a mpi, ar gloo", "mcrdl", "all_to_all=mpi,all_reduce=gloo", {}, False),
+         ("mcrdl: a2a gloo, ar mpi", "mcrdl", "all_to_all=gloo,all_reduce=mpi", {}, False)]
 
 
-def _env(table: str | None) -> dict:
+def _env(table: str | None, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["MCRDL_TUNING_TABLE"] = table or "none"
     env.setdefault("MCRDL_TIMEOUT", "120")
     env.pop("MCRDL_BACKEND", None)
+    env.pop("MCRDL_COMPRESSION", None)
+    env.update(extra or {})
     return env
 
 
@@ -58,35 +73,38 @@ def mpiexec() -> str:
     return exe
 
 
-def launcher(n: int, cluster: str | None) -> list:
-    """``mpiexec -n N``, or the emulated cluster: 2 hosts, N/2 ranks each, links shaped
-    to ``cluster`` (tc's units, e.g. 1gbit)."""
+def launcher(n: int, cluster: str | None, hosts: int = 2) -> list:
+    """``mpiexec -n N``, or the emulated cluster: ``hosts`` hosts, N/hosts ranks each,
+    links shaped to ``cluster`` (tc's units, e.g. 1gbit)."""
     if not cluster:
         return [mpiexec(), "-n", str(n)]
-    if n % 2:
-        raise SystemExit(f"--cluster runs 2 hosts with the same number of ranks: {n} ranks "
-                         "do not split; use even --ranks")
-    return [str(BIN / "mcrdl"), "cluster", "run", "--hosts", "2", "--ranks-per-host",
-            str(n // 2), "--rate", cluster, "--"]
+    if n % hosts:
+        raise SystemExit(f"--cluster runs {hosts} hosts with the same number of ranks: {n} "
+                         "ranks do not split; change --ranks or --hosts")
+    return [str(BIN / "mcrdl"), "cluster", "run", "--hosts", str(hosts), "--ranks-per-host",
+            str(n // hosts), "--rate", cluster, "--"]
 
 
-def tune(n: int, path: Path, cluster: str | None = None) -> None:
-    cmd = launcher(n, cluster) + [str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
-           "all_to_all", "--sizes", "4", "4K", "64K", "256K", "1M", "2M", "4M", "--output",
-           str(path)]
+def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2) -> None:
+    """all_reduce and all_to_all at the apps' sizes, the compressed all-to-all of
+    ``CODECS`` measured as a candidate (for the "tuned + codecs" variant)."""
+    cmd = launcher(n, cluster, hosts) + [str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
+           "all_to_all", "--sizes", "4", "4K", "64K", "256K", "1M", "2M", "4M",
+           "--compression", CODECS, "--output", str(path)]
     print("tuning:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=_env(str(path)), cwd=ROOT, timeout=1200,
                    stdout=subprocess.DEVNULL)
 
 
-def launch(app: str, n: int, backend: str, options, steps: int, table: str | None,
-           cluster: str | None = None) -> dict:
+def launch(app: str, n: int, variant, steps: int, table: str | None,
+           cluster: str | None = None, hosts: int = 2) -> dict:
+    _, backend, options, extra, tuned = variant
     out = OUT / f"apps_{app}_{n}.json"
-    cmd = launcher(n, cluster) + [sys.executable, str(HERE / f"{app}.py"), "--backend",
+    cmd = launcher(n, cluster, hosts) + [sys.executable, str(HERE / f"{app}.py"), "--backend",
            backend, "--steps", str(steps), "--json", str(out)]
     if options:
         cmd += ["--pg-options", options]
-    proc = subprocess.run(cmd, env=_env(table if backend == "mcrdl" and options == "" else None),
+    proc = subprocess.run(cmd, env=_env(table if tuned else None, extra),
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -104,50 +122,83 @@ def main():
                    help="tuning table of the 'tuned' variant (default bench/out/apps_tuning"
                         "[_cluster_RATE].json)")
     p.add_argument("--cluster", default=None, metavar="RATE",
-                   help="run on the emulated cluster (mcrdl cluster run: 2 hosts, links of "
-                        "RATE, e.g. 1gbit) instead of one host")
+                   help="run on the emulated cluster (mcrdl cluster run: --hosts hosts, "
+                        "links of RATE, e.g. 1gbit) instead of one host")
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts (--cluster; 2)")
+    p.add_argument("--mixed", action="store_true",
+                   help="also the two per-op mixes (all_to_all on one library, all_reduce "
+                        "on the other)")
     a = p.parse_args()
+    variants = VARIANTS + (MIXED if a.mixed else [])
+    where = f"{a.hosts}x{{n}} {a.cluster}" if a.cluster else "one host"
     if a.table is None:
-        a.table = str(OUT / (f"apps_tuning_cluster_{a.cluster}.json" if a.cluster
+        a.table = str(OUT / (f"apps_tuning_cluster_{a.cluster}_{a.hosts}h.json" if a.cluster
                              else "apps_tuning.json"))
     OUT.mkdir(parents=True, exist_ok=True)
     table = Path(a.table)
     if a.tune:
         for n in a.ranks:
-            tune(n, table, a.cluster)
+            tune(n, table, a.cluster, a.hosts)
     if not table.exists():
         raise SystemExit(f"no tuning table at {table}: run with --tune (or pass --table)")
     rows = []
     for app in a.apps:
         for n in a.ranks:
-            runs = {name: [] for name, _, _ in VARIANTS}
+            runs = {v[0]: [] for v in variants}
             for rep in range(a.repeats):
-                k = rep % len(VARIANTS)
-                for name, backend, options in VARIANTS[k:] + VARIANTS[:k]:
-                    runs[name].append(launch(app, n, backend, options, a.steps, str(table),
-                                              a.cluster))
+                k = rep % len(variants)
+                for v in variants[k:] + variants[:k]:
+                    runs[v[0]].append(launch(app, n, v, a.steps, str(table), a.cluster,
+                                             a.hosts))
             base = runs["gloo (torch)"]
             base_sps = statistics.median(r["samples_per_s"] for r in base)
-            for name, _, _ in VARIANTS:
+            for name, *_ in variants:
                 rs = runs[name]
                 sps = statistics.median(r["samples_per_s"] for r in rs)
                 diff = max(abs(x - y) / max(abs(y), 1e-12)
                            for r in rs for x, y in zip(r["losses"], base[0]["losses"]))
-                rows.append({"app": app, "ranks": n, "where": a.cluster or "one host",
+                rows.append({"app": app, "ranks": n, "where": where.format(n=n // a.hosts),
                              "variant": name, "samples_per_s": sps,
                              "vs_gloo": sps / base_sps,
                              "comm_share": statistics.median(r["comm_share"] for r in rs),
                              "loss_max_rel_diff_vs_gloo": diff, "repeats": len(rs)})
                 print(f"{app} n={n} {name:26s} {sps:10.0f} samples/s  x{sps / base_sps:.2f}  "
                       f"comm {rows[-1]['comm_share']:.0%}  loss diff {diff:.1e}", flush=True)
-    name = f"apps_table_cluster_{a.cluster}.json" if a.cluster else "apps_table.json"
+    name = (f"apps_table_cluster_{a.cluster}_{a.hosts}h.json" if a.cluster
+            else "apps_table.json")
     (OUT / name).write_text(json.dumps(rows, indent=1))
+    plot(rows, OUT / name.replace(".json", ".png"))
     print("\n| app | where | ranks | variant | samples/s | vs gloo | comm share | loss diff vs gloo |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['app']} | {r['where']} | {r['ranks']} | {r['variant']} | {r['samples_per_s']:.0f} | "
               f"{r['vs_gloo']:.2f}x | {r['comm_share']:.0%} | "
               f"{r['loss_max_rel_diff_vs_gloo']:.0e} |")
+
+
+def plot(rows, path: Path) -> None:
+    """Samples/s relative to torch's Gloo, one group of bars per (app, ranks, where)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r["app"], r["ranks"], r["where"]) for r in rows))
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys) * len(names) / 3), 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        vals = [next((r["vs_gloo"] for r in rows if (r["app"], r["ranks"], r["where"]) == k
+                      and r["variant"] == name), 0) for k in keys]
+        ax.bar([i + j * width for i in range(len(keys))], vals, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
+    ax.set_xticklabels([f"{app} n={n}\n{where}" for app, n, where in keys])
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("samples/s vs torch gloo (median of repeats)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
