@@ -74,7 +74,7 @@ class Bootstrap:
         self.proc_of = tuple(ident for _, ident in entries)
         self.all_local = len(set(names)) == 1  # the real machines (Gloo's device)
         k = _config.get("MCRDL_RANKS_PER_HOST")
-        if k:  # emulated hosts: blocks of k consecutive ranks
+        if k is not None:  # emulated hosts: blocks of k consecutive ranks
             if k < 1:
                 raise InvalidArgumentError(f"MCRDL_RANKS_PER_HOST={k}: must be at least 1")
             names = [f"{name}#{r // k}" for r, name in enumerate(names)]

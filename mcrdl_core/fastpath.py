@@ -163,14 +163,21 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         work.engine = eng
         eng.inflight.append(work)
         return work
-    test = req.Test  # nothing else in flight: no poll lock needed (see _run)
-    if not test() and not _spin(test, eng.spin_s):  # then the engine: timeout, diagnostics
+    if not _done_alone(eng, req):  # then the engine's loop: timeout, diagnostics
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
                                   time.perf_counter() - t0))
     return None
+
+
+def _done_alone(eng, req) -> bool:
+    """Poll the request of a blocking call that is alone in flight on this rank until it
+    completes, for at most the engine's spin time; True if it did. No poll lock: with
+    nothing else in flight a progress thread has nothing to poll."""
+    test = req.Test
+    return test() or _spin(test, eng.spin_s)
 
 
 def _spin_polling(eng, test) -> bool:
@@ -260,12 +267,9 @@ def _run(rt, be, op, g, issue, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     inflight = eng.inflight
     if not (async_op or inflight or eng.pending or rt.logger.enabled):
         # the common case, first and lean (half the cost of the general code below): a
-        # blocking call alone on this rank spins on its request, without the poll lock
-        # (nothing else is in flight for a progress thread to poll), then the engine's
-        # wait with its timeout and diagnostics
+        # blocking call alone on this rank, then the engine's wait with its timeout
         req = issue(*args)
-        test = req.Test
-        if not test() and not _spin(test, eng.spin_s):
+        if not _done_alone(eng, req):
             be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
         return req if req_back else None
     if inflight or async_op:

@@ -26,7 +26,9 @@ or hosts with different counts) runs the plain all-reduce on the named backend (
 usual choice), so ``hier`` is always a valid request. The three steps run as one
 :class:`~mcrdl_core.compress.schedule.ScheduleWork` of the progress engine: nothing
 blocks, other backends' work keeps being driven, and a stalled peer ends in the
-engine's timeout naming the step. Host buffers only: on a GPU the call runs flat.
+engine's timeout naming the step. Calls on one group run their steps one call after
+the other (each sub-communicator must see the same order on every rank). Host buffers
+only: on a GPU the call runs flat.
 """
 from __future__ import annotations
 
@@ -101,8 +103,14 @@ def all_reduce(rt, g, buf, op, backend: str, async_op: bool):
         # where a rendezvous would wait through the engine that is advancing the steps
     spans = rt.order(writes=(buf,), keep=async_op)
     arr, t = buf.array().reshape(-1), tmp.array()
+    # the steps of two calls on the group must reach each sub-communicator in the same
+    # order on every rank: a call's steps start once the previous call's are all done
+    last = rt.cache("hier.last")
+    prev = last.get(g.key)
 
     def steps():
+        if prev is not None and not prev._done:
+            yield prev
         t[:n] = arr  # after the ordering wait: the data the call was given
         yield be_rs.reduce_scatter(intra, part, tmp, op)
         yield be_ar.all_reduce(inter, part, op)
@@ -114,6 +122,7 @@ def all_reduce(rt, g, buf, op, backend: str, async_op: bool):
     work = ScheduleWork(f"hier({names})", Op.ALL_REDUCE, g, steps(),
                         desc=f"{size} ranks per host x {inter.size} hosts")
     work.keep = (buf, tmp, part)
+    last[g.key] = work
     return rt.finish(work, spans, async_op, buf.nbytes)
 
 

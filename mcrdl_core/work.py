@@ -193,9 +193,8 @@ class ThreadWork(Work):
     def block(self, seconds: float) -> None:
         """Join the helper thread for up to ``seconds``. The helper needs the GIL to
         finish, so a waiter must not spin for it: a spinning thread keeps the GIL until
-        Python's switch interval (5 ms) or the loop's first nap (2 ms; Gloo's
-        reduce-scatter took 2.1 ms per call at 64 B that way). A join releases the GIL
-        and returns the moment the thread ends."""
+        Python's switch interval (5 ms) or the wait loop's first nap (2 ms). A join
+        releases the GIL and returns the moment the thread ends."""
         self._thread.join(seconds)
 
 

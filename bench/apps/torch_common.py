@@ -109,16 +109,29 @@ def run(args, step, reference=None, samples_per_step: int = 0, name: str = "") -
     rank, n = dist.get_rank(), dist.get_world_size()
     losses = [step() for _ in range(args.warmup)]
     dist.barrier()
+    log = None
+    if args.backend == "mcrdl":  # which library (and codec) ran each op, for the table
+        from mcrdl_core.logger import logger
+
+        log = logger()
+        log.clear()
+        log.enable()
     CLOCK.seconds = 0.0
     t0 = time.perf_counter()
     for _ in range(args.steps):
         losses.append(step())
     elapsed = time.perf_counter() - t0
+    ran = {}
+    if log is not None:
+        log.disable()
+        for rec in log.records:
+            ran.setdefault(rec[0], set()).add(rec[2])
     comm = torch.tensor([CLOCK.seconds, elapsed], dtype=torch.float64)
     dist.all_reduce(comm, op=dist.ReduceOp.MAX)
     result = {"app": name, "backend": args.backend, "pg_options": args.pg_options, "ranks": n,
               "steps": args.steps, "samples_per_s": samples_per_step * args.steps / comm[1].item(),
-              "comm_share": comm[0].item() / comm[1].item(), "losses": losses}
+              "comm_share": comm[0].item() / comm[1].item(), "losses": losses,
+              "ran": {op: sorted(names) for op, names in ran.items()}}
     if args.check and reference is not None:
         ref = reference(args.warmup + args.steps)
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))

@@ -763,7 +763,6 @@ def create(dist_opts, backend_options=None) -> McrdlProcessGroup:
     rt = core.init(timeout=secs, bootstrap=boot)
     if boot is not None and ranks:
         _MEMBERS_ONLY.update(runtime=rt, ranks=list(ranks))
-    rt = core.init(timeout=secs, bootstrap=boot)
     if not ranks:  # the default group
         if dist_opts.group_size != rt.world_size or dist_opts.group_rank != rt.rank:
             raise InvalidArgumentError(

@@ -82,6 +82,19 @@ def test_several_in_flight_with_other_work():
     np.testing.assert_array_equal(out, np.repeat(np.arange(SIZE), 3))
 
 
+def test_many_in_flight_of_different_sizes():
+    """A large call then small ones, all async: a small call's steps could complete
+    first on one rank and not on another; the steps must still meet in order."""
+    sizes = [200000, 10, 5000, 1, 70000, 3]
+    xs = [_vals(RANK, n, np.float32, salt=i) for i, n in enumerate(sizes)]
+    works = [core.all_reduce(x, backend="hier", async_op=True) for x in xs]
+    for w in reversed(works):
+        w.wait()
+    for i, (n, x) in enumerate(zip(sizes, xs)):
+        want = np.stack([_vals(r, n, np.float32, salt=i) for r in range(SIZE)]).sum(0)
+        np.testing.assert_allclose(x, want, rtol=1e-6)
+
+
 def test_a_reversed_subgroup_and_a_one_host_subgroup():
     g = core.new_group(list(reversed(range(SIZE))))
     x = _vals(RANK, 9, np.float32)
