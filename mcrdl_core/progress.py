@@ -13,7 +13,7 @@ it) and this host has a core per rank, the loop polls without pause, as MPI's ow
 blocking calls do: yielding between polls halved MPI's bandwidth (1 MiB all-reduce on 2
 ranks: 393 µs with yields after 100 µs, 289 µs spinning, 233 µs raw MPI). When the
 host has more ranks than cores (3 ranks on 2 cores), it spins ``MCRDL_SPIN_US`` µs
-(default 100) and then yields the CPU (``sched_yield``) between polls, so that the rank
+(default 100) and then yields the CPU (``sleep(0)``) between polls, so that the rank
 doing the work gets the core; so does a process that another took its core from (a
 pass of the loop that took over ``PREEMPTED_S``: a busy host), for ``CONTENDED_S``. With no host-driven work in flight, it yields after the
 spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
@@ -269,7 +269,7 @@ class ProgressEngine:
                 continue
             if any(w.host_progress for w in self.inflight):
                 if self.oversubscribed or now < self.contended_until:
-                    os.sched_yield()  # let the peer (or whoever needs the core) run
+                    time.sleep(0)  # let the peer (or whoever needs the core) run
             elif now < yield_until:
                 time.sleep(0)
             else:
