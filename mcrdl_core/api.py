@@ -201,6 +201,32 @@ def _hierarchical(tensor, op, group, async_op, backend, compression):
     return t.all_reduce(rt, g, buf, op, backend, async_op)
 
 
+def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, group,
+                      async_op, backend, compression):
+    """``all_to_all_single(..., backend="hier")``: the two-level all-to-all for an even
+    call (no split sizes), checked as the plain call is; a call with split sizes runs
+    the plain all-to-all on the named backend (``hier:NAME``) or the usual choice."""
+    t = _hooks.transform("hierarchical")
+    name = t.inner(backend)
+    if compression is not None:
+        raise _v.InvalidArgumentError(
+            f"all_to_all_single(backend={backend!r}, compression={compression!r}): the "
+            "hierarchical all-to-all is lossless and takes no compression; drop one of the two")
+    if output_split_sizes or input_split_sizes:
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
+                                 async_op, name)
+    out = _v.output(output, "output")
+    inp = _v.input(input, "input")
+    _v.same_kind([out, inp], "all_to_all_single")
+    rt, g, be, _ = prepare(Op.ALL_TO_ALL, group, inp, name)
+    counts = _v.splits(None, inp, g.size, "input_split_sizes")
+    _v.splits(None, out, g.size, "output_split_sizes")
+    _v.numel(out, inp.numel, "output", "the input's element count")
+    if rt.debug:
+        _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(counts, counts))
+    return t.all_to_all(rt, g, out, inp, backend, async_op)
+
+
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
                            backend=None, compression=None):
     out = _v.output(output_tensor, "output_tensor")
@@ -295,6 +321,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       group=None, async_op: bool = False, backend=None, compression=None):
     """``compression``: allow a codec for the exchanged blocks (docs/compression.md);
     None: MCRDL_COMPRESSION's ``all_to_all=`` key, else off."""
+    if backend.__class__ is str and backend[:4] == "hier":
+        return _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes,
+                                 group, async_op, backend, compression)
     out = _v.output(output, "output")
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "all_to_all_single")

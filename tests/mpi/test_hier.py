@@ -34,7 +34,7 @@ def test_the_world_is_hierarchical_where_hosts_are_emulated():
     if not EMULATED:
         assert lv is None or rt.bootstrap.hosts_in(rt.world.ranks) > 1
         pytest.skip("no emulated hosts in this launch: the calls below run flat")
-    intra, inter = lv
+    intra, inter, _ = lv
     assert intra.size == K and inter.size == SIZE // K
     assert sorted(intra.ranks) == list(range(RANK - RANK % K, RANK - RANK % K + K))
     assert all(r % K == RANK % K for r in inter.ranks)
@@ -126,3 +126,82 @@ def test_bad_requests_fail_before_anything_is_sent(backend):
 def test_compression_is_refused():
     with pytest.raises(InvalidArgumentError, match="lossless"):
         core.all_reduce(np.ones(2, np.float32), backend="hier", compression="fp16")
+
+
+# --- the two-level all-to-all (Tutel's 2DH shape) -------------------------------------
+def _a2a_expect(per_peer, dtype, salt=0):
+    """What this rank receives: block RANK of every rank's input, in rank order."""
+    return np.concatenate([_vals(k, SIZE * per_peer, dtype, salt)[RANK * per_peer:
+                                                                 (RANK + 1) * per_peer]
+                           for k in range(SIZE)])
+
+
+@pytest.mark.parametrize("per_peer", [1, 7, 3000])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint8])
+@pytest.mark.parametrize("backend", ["hier", "hier:mpi", "hier:gloo"])
+def test_all_to_all(per_peer, dtype, backend):
+    x = _vals(RANK, SIZE * per_peer, dtype)
+    out = np.empty_like(x)
+    core.all_to_all_single(out, x, backend=backend)
+    np.testing.assert_array_equal(out, _a2a_expect(per_peer, dtype))
+
+
+def test_all_to_all_in_place_rows_and_logged_algorithm():
+    x = _vals(RANK, SIZE * 6, np.float64).reshape(SIZE * 2, 3)  # rows: 2 per peer
+    logger().enable()
+    logger().clear()
+    try:
+        core.all_to_all_single(x, x, backend="hier:mpi")  # output is the input
+        names = [rec[2] for rec in logger().records if rec[0] == "all_to_all"]
+    finally:
+        logger().disable()
+    np.testing.assert_array_equal(x.reshape(-1), _a2a_expect(6, np.float64))
+    assert names == (["hier(mpi/mpi)"] if EMULATED else ["mpi"]), names
+
+
+def test_all_to_all_and_all_reduce_in_flight_together():
+    """Both ops share the sub-groups: their steps must meet in order across calls."""
+    xs = [_vals(RANK, SIZE * n, np.float32, salt=i) for i, n in enumerate([5000, 3, 40])]
+    outs = [np.empty_like(x) for x in xs]
+    y = _vals(RANK, 999, np.float32, salt=9)
+    works = [core.all_to_all_single(outs[0], xs[0], backend="hier", async_op=True),
+             core.all_reduce(y, backend="hier", async_op=True),
+             core.all_to_all_single(outs[1], xs[1], backend="hier:gloo", async_op=True),
+             core.all_to_all_single(outs[2], xs[2], backend="hier", async_op=True)]
+    for w in reversed(works):
+        w.wait()
+    for i, (n, out) in enumerate(zip([5000, 3, 40], outs)):
+        np.testing.assert_array_equal(out, _a2a_expect(n, np.float32, salt=i))
+    want = np.stack([_vals(r, 999, np.float32, salt=9) for r in range(SIZE)]).sum(0)
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+
+
+def test_uneven_all_to_all_runs_flat():
+    splits = [1 + k for k in range(SIZE)]  # rank k gets 1 + k elements from each
+    x = _vals(RANK, sum(splits), np.int32)
+    out = np.empty((1 + RANK) * SIZE, np.int32)
+    core.all_to_all_single(out, x, [1 + RANK] * SIZE, splits, backend="hier")
+    offs = np.cumsum([0] + splits)
+    want = np.concatenate([_vals(k, sum(splits), np.int32)[offs[RANK]:offs[RANK + 1]]
+                           for k in range(SIZE)])
+    np.testing.assert_array_equal(out, want)
+
+
+def test_torch_all_to_all_single():
+    x = torch.arange(SIZE * 4, dtype=torch.float32) + 100 * RANK
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, backend="hier")
+    want = torch.cat([torch.arange(RANK * 4, RANK * 4 + 4, dtype=torch.float32) + 100 * k
+                      for k in range(SIZE)])
+    assert torch.equal(out, want), out
+
+
+def test_all_to_all_bad_input_fails_before_anything_is_sent():
+    with pytest.raises(InvalidArgumentError, match="hier:NAME"):
+        core.all_to_all_single(np.empty(SIZE), np.ones(SIZE), backend="hier:")
+    with pytest.raises(InvalidArgumentError, match="lossless"):
+        core.all_to_all_single(np.empty(SIZE, np.float32), np.ones(SIZE, np.float32),
+                               backend="hier", compression="fp16")
+    if SIZE > 1:
+        with pytest.raises(InvalidArgumentError, match="divisible"):
+            core.all_to_all_single(np.empty(SIZE + 1), np.ones(SIZE + 1), backend="hier")
