@@ -185,15 +185,23 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
     return rt.finish(be.all_reduce(g, buf, op), spans, async_op, buf.nbytes)
 
 
-def _hierarchical(tensor, op, group, async_op, backend, compression):
-    """``all_reduce(..., backend="hier")``: checked as any all-reduce (the flat choice
-    for the checks: dtype, reduce op, group), then the ``hierarchical`` transform."""
+def _hier_request(call: str, backend: str, compression):
+    """(the ``hierarchical`` transform, the backend named for its steps or None) of a
+    ``backend="hier..."`` request, refused with a clear error where it is malformed or
+    comes with a compression (the two-level algorithms are lossless)."""
     t = _hooks.transform("hierarchical")
     name = t.inner(backend)
     if compression is not None:
         raise _v.InvalidArgumentError(
-            f"all_reduce(backend={backend!r}, compression={compression!r}): the hierarchical "
-            "all-reduce is lossless and takes no compression; drop one of the two")
+            f"{call}(backend={backend!r}, compression={compression!r}): the hierarchical "
+            "algorithms are lossless and take no compression; drop one of the two")
+    return t, name
+
+
+def _hierarchical(tensor, op, group, async_op, backend, compression):
+    """``all_reduce(..., backend="hier")``: checked as any all-reduce (the flat choice
+    for the checks: dtype, reduce op, group), then the ``hierarchical`` transform."""
+    t, name = _hier_request("all_reduce", backend, compression)
     buf = _v.output(tensor, "tensor")
     rt, g, be, op = prepare(Op.ALL_REDUCE, group, buf, name, op)
     if rt.debug:
@@ -206,12 +214,7 @@ def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, grou
     """``all_to_all_single(..., backend="hier")``: the two-level all-to-all for an even
     call (no split sizes), checked as the plain call is; a call with split sizes runs
     the plain all-to-all on the named backend (``hier:NAME``) or the usual choice."""
-    t = _hooks.transform("hierarchical")
-    name = t.inner(backend)
-    if compression is not None:
-        raise _v.InvalidArgumentError(
-            f"all_to_all_single(backend={backend!r}, compression={compression!r}): the "
-            "hierarchical all-to-all is lossless and takes no compression; drop one of the two")
+    t, name = _hier_request("all_to_all_single", backend, compression)
     if output_split_sizes or input_split_sizes:
         return all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
                                  async_op, name)
