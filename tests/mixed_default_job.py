@@ -16,6 +16,16 @@ if "RANK" not in os.environ:  # mpiexec (torchrun sets RANK)
     mpi_env()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+
+
+def rank0_alone(g):
+    """An all-reduce on the one-rank mcrdl group ``g`` of rank 0 (None elsewhere)."""
+    if rank == 0:
+        t = torch.ones(2)
+        dist.all_reduce(t, group=g)
+        assert torch.equal(t, torch.ones(2))
+
+
 if sys.argv[1] == "members-only":
     # the runtime is not up yet and rank 1 never enters the creator: the members start
     # a runtime among themselves (before, this hung in a bootstrap waiting for rank 1)
@@ -34,11 +44,7 @@ if sys.argv[1] == "members-only":
         w = dist.all_reduce(torch.ones(5), group=g, async_op=True)
         w.wait()
         # a later group inside the first one maps torch ranks the same way
-        g1 = dist.new_group([0], backend="mcrdl")
-        if rank == 0:
-            t = torch.ones(2)
-            dist.all_reduce(t, group=g1)
-            assert torch.equal(t, torch.ones(2))
+        rank0_alone(dist.new_group([0], backend="mcrdl"))
         # one with a rank outside the runtime's world is refused (on the members that
         # have the runtime) with the remedy, before anything is sent
         if rank == 0:
@@ -54,11 +60,7 @@ if sys.argv[1] == "members-only":
     dist.barrier()
 else:  # the documented remedy: start the runtime on every rank first
     mcrdl_core.init()
-    g = dist.new_group([0], backend="mcrdl")
-    if rank == 0:
-        t = torch.ones(2)
-        dist.all_reduce(t, group=g)
-        assert torch.equal(t, torch.ones(2))
+    rank0_alone(dist.new_group([0], backend="mcrdl"))
     g2 = dist.new_group([1, 0], backend="mcrdl")
     t = torch.full((3,), float(rank + 1))
     dist.all_reduce(t, group=g2)
