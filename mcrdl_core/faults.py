@@ -69,7 +69,7 @@ runtime_fault: BaseException | None = None
 _faults: list = []  # errors that broke a group or the runtime (the first few)
 _stuck_threads: list = []  # helper threads of timed-out works
 _abandoned: list = []  # timed-out works: their buffers stay alive (a late peer may write)
-_state = {"guard": False, "uncaught": False}
+_state = {"guard": False, "uncaught": False, "mpi_world": False}
 
 
 def _record(error: BaseException) -> None:
@@ -145,7 +145,7 @@ def install_exit_guard(mpi_world: bool = False) -> None:
     of the job has this hook and meets the others at exit. Sticky: a runtime started
     among some ranks only (a members-only torch subgroup, on Gloo) leaves it unset, and
     its exit does not wait for ranks that never start one."""
-    _state["mpi_world"] = _state.get("mpi_world", False) or bool(mpi_world)
+    _state["mpi_world"] = _state["mpi_world"] or bool(mpi_world)
     if _state["guard"]:
         return
     _state["guard"] = True
@@ -188,7 +188,7 @@ def _exit_barrier(budget: float) -> bool:
 def _at_exit() -> None:
     if not _config.get("MCRDL_EXIT_GUARD"):
         return
-    mpi = _mpi_initialized() and _state.get("mpi_world", False)
+    mpi = _mpi_initialized() and _state["mpi_world"]
     if not _faults:
         if mpi:  # the peers with a fault wait for this rank here (see the module doc)
             _exit_barrier(2 * GRACE_S + 1.0)

@@ -143,15 +143,8 @@ def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=Non
     if op == "reduce_scatter":
         return lambda: api.reduce_scatter_tensor(x, big, **kw)
     if op == "all_to_all":  # the selection size of all-to-all is the whole input
-        total = element_count(op, nbytes, n, x.itemsize)
-        if compression is not None:  # N(0, 1), shared by the point's compressed columns
-            key = ("a2a", total)
-            if key not in pool:
-                pool[key] = xp.asarray(np.random.default_rng(1).standard_normal(total)
-                                       .astype(dtype))
-            inp = pool[key]
-        else:
-            inp = xp.ones(total, dtype=dtype)
+        per_peer = element_count(op, nbytes, n, x.itemsize) // n
+        _, inp = _buffers(xp, dtype, per_peer, n, pool, compression is not None)
         out = xp.empty_like(inp)
         return lambda: api.all_to_all_single(out, inp, **kw)
     if op == "gather":
