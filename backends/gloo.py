@@ -121,7 +121,7 @@ class GlooWork(Work):
         self.keep = keep
         self.on_stream = contextlib.nullcontext  # CUDA: makes the producer stream current
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         if not self.twork.is_completed():
             return False
         with self.on_stream():  # CUDA works: the current stream waits on Gloo's copies back

@@ -76,35 +76,35 @@ class MPIWork(Work):
         self.keep = keep  # buffers and temporaries MPI reads or writes until completion
         self.status = status
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         return self.req.Test(self.status) if self.status is not None else self.req.Test()
 
     @classmethod
     def poll_many(cls, works) -> None:
-        plain = [w for w in works if w.status is None and not w._done]
+        plain = [w for w in works if w.status is None and not w.done]
         if plain:
             done = MPI.Request.Testsome([w.req for w in plain])
             for i in done or ():
-                plain[i]._complete()
+                plain[i].complete()
         for w in works:
-            if w.status is not None and not w._done and w._poll():
-                w._complete()
+            if w.status is not None and not w.done and w.poll():
+                w.complete()
 
 
 class _FastWork(MPIWork):
     """An MPIWork of the fast path (``MPIBackend.work_of``): what is the same for all of
     them is set on the class instead of on each."""
 
-    backend, desc, status, _error, _result = "mpi", "", None, None, None
+    backend, desc, status, error, value = "mpi", "", None, None, None
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
 
 
 class _FastRecvWork(_FastWork):
     """A receive of the fast path: polled with its status (the source it reports)."""
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         return self.req.Test(self.status)
 
     def source(self) -> int:
@@ -281,7 +281,7 @@ class MPIBackend(Backend):
         req = self.comm(group).Irecv(_spec(buf), source, tag)
         work = MPIWork(Op.RECV, group, req, (buf,), status=status,
                        desc=f"from group rank {'any' if src is None else src}")
-        work.add_finalizer(lambda: setattr(work, "_result", status.Get_source()))
+        work.add_finalizer(lambda: setattr(work, "value", status.Get_source()))
         return work
 
     # --- collectives --------------------------------------------------------------------
@@ -450,10 +450,10 @@ class MPIBackend(Backend):
         constructor (``keep``: what keeps the memory alive)."""
         if req.__class__ is _RecvRequest:
             w = _FastRecvWork.__new__(_FastRecvWork)
-            w.status, w._result, req = req.status, None, req.req
+            w.status, w.value, req = req.status, None, req.req
         else:
             w = _FastWork.__new__(_FastWork)
-        w.op, w.group, w._finalizers, w._done, w.engine = op, group, [], False, None
+        w.op, w.group, w.finalizers, w.done, w.engine = op, group, [], False, None
         w.req, w.keep, w.spans = req, keep, spans
         return w
 

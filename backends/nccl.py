@@ -278,12 +278,12 @@ class NCCLWork(EventWork):
         self.held = ()  # buffers kept while pending
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._done or self.host_wait:
+        if self.done or self.host_wait:
             return super().wait(timeout)
         try:
             self.comm.check(self.op)
         except BaseException as exc:
-            self._complete(exc)
+            self.complete(exc)
             raise
         dev = self.comm.device
         cp = _cuda.cupy()
@@ -293,21 +293,21 @@ class NCCLWork(EventWork):
             else:
                 self.caller = cp.cuda.get_current_stream().ptr
             _cuda.stream(self.caller, dev).wait_event(self.event)
-        self._complete()
-        if self._error is not None:
-            raise self._error
+        self.complete()
+        if self.error is not None:
+            raise self.error
         return True
 
-    def _complete(self, error=None):
-        if self._done:
+    def complete(self, error=None):
+        if self.done:
             return
         hold = self.keep
-        if error is not None or not self._finalizers:
-            super()._complete(error)
+        if error is not None or not self.finalizers:
+            super().complete(error)
         else:
             cp = _cuda.cupy()
             with cp.cuda.Device(self.comm.device), _cuda.stream(self.caller, self.comm.device):
-                super()._complete(error)
+                super().complete(error)
         self.ref = None
         if error is not None and self.comm.failed is not None:
             self.comm.held.extend(hold)  # the failed op may still touch them: until abort
@@ -538,7 +538,7 @@ class NCCLBackend(Backend):
         t, n, _ = self._type(buf)
         work = self._issue(Op.RECV, group, [buf], lambda c, s: c.recv(buf.ptr, n, t, src, s),
                            desc=f"from group rank {src}")
-        work._result = src
+        work.value = src
         return work
 
     def batch_p2p(self, group, sends, recvs):

@@ -118,9 +118,9 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
     peer = None if src is None else g.group_rank(src, "src")
     spans = rt.order(writes=(buf,), keep=async_op)
     work = be.recv(g, buf, peer, int(tag))
-    work.add_finalizer(lambda: setattr(work, "_result", g.global_rank(work._result)))
+    work.add_finalizer(lambda: setattr(work, "value", g.global_rank(work.value)))
     rt.finish(work, spans, async_op, buf.nbytes)
-    return work if async_op else work._result
+    return work if async_op else work.value
 
 
 def isend(tensor, dst: int, group=None, tag: int = 0, backend=None):
@@ -479,7 +479,7 @@ def _after(work, prior):
     def then():
         while rest:
             w = rest.pop()
-            if not w._done or w._error is not None:
+            if not w.done or w.error is not None:
                 return ChainWork(w, then)
         return None
     return ChainWork(work, then)

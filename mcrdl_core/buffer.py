@@ -84,7 +84,7 @@ class Buffer:
     @classmethod
     def from_numpy(cls, arr: np.ndarray) -> "Buffer":
         """Zero-copy view of a NumPy array (bfloat16 via ml_dtypes included)."""
-        dt = _dt._BY_NP.get(arr.dtype) or _dt.lookup(arr.dtype)
+        dt = _dt.BY_NP.get(arr.dtype) or _dt.lookup(arr.dtype)
         flags = arr.flags
         if flags.c_contiguous and flags.writeable:  # the common case, in fewest steps
             try:  # the address through the buffer protocol: 0.4 µs against 1.5

@@ -75,7 +75,7 @@ SUPPORTED = (float16, bfloat16, float32, float64, int8, uint8, int32, int64)
 
 _BY_DL = {(d.code, d.bits): d for d in ALL}
 _BY_NAME = {d.name: d for d in ALL}
-_BY_NP = {d.np_dtype: d for d in ALL}
+BY_NP = {d.np_dtype: d for d in ALL}
 
 
 def from_dlpack_code(code: int, bits: int, lanes: int = 1) -> DType:
@@ -96,7 +96,7 @@ def lookup(obj) -> DType:
     if isinstance(obj, str) and obj in _BY_NAME:
         return _BY_NAME[obj]
     try:
-        return _BY_NP[np.dtype(obj)]
+        return BY_NP[np.dtype(obj)]
     except (TypeError, KeyError):
         raise DtypeError(f"unknown dtype {obj!r}; use one of "
                          f"{[d.name for d in SUPPORTED]}") from None

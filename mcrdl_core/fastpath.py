@@ -50,7 +50,7 @@ import time
 from ctypes import addressof as _addressof
 from ctypes import c_char as _c_char
 
-from .dtypes import _BY_NP
+from .dtypes import BY_NP
 from .ops import Op, ReduceOp
 from .progress import spin as _spin
 
@@ -81,7 +81,7 @@ def compression_env() -> bool:
     return bool(_ENV.get(_COMPRESSION))
 
 
-_TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime._choice``
+_TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime.choices``
 
 
 def _plan(rt, g, buf, backend, op):
@@ -111,7 +111,7 @@ def ndarray_all_reduce(rt, arr, op, group, async_op: bool, backend):
     an array that is empty, not contiguous, read-only or of a dtype the buffer protocol
     cannot export (the general path then judges it)."""
     f = arr.flags
-    dt = _BY_NP.get(arr.dtype)
+    dt = BY_NP.get(arr.dtype)
     if dt is None or dt.is_half or not (f.c_contiguous and f.writeable and arr.size):
         return MISS
     return host_all_reduce(rt, arr, arr.size, dt, arr, op, group, async_op, backend)
@@ -137,7 +137,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         key = (_TAG, g, dtype, backend, op, count * dtype.itemsize)
     else:
         key = (_TAG, g, dtype, backend, op)
-    choice = rt._choice
+    choice = rt.choices
     try:
         plan = choice.get(key)
     except TypeError:  # an unhashable op argument: let the general path judge it
@@ -235,7 +235,7 @@ def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
         key = (tag, g, dtype, backend, extra, nbytes)
     else:
         key = (tag, g, dtype, backend, extra)
-    choice = rt._choice
+    choice = rt.choices
     try:
         plan = choice.get(key)
     except TypeError:  # an unhashable argument: let the general path judge it
@@ -458,7 +458,7 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
                 async_op, nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the completed request
         return done if done is MISS else g.ranks[done.source()]
-    done.add_finalizer(lambda: setattr(done, "_result", g.ranks[done.source()]))
+    done.add_finalizer(lambda: setattr(done, "value", g.ranks[done.source()]))
     return done
 
 

@@ -102,10 +102,10 @@ def timed_out(works, error: BaseException) -> None:
 
 
 def work_failed(work) -> BaseException:
-    """The error to raise for ``work``, which completed with ``work._error``. A library's
+    """The error to raise for ``work``, which completed with ``work.error``. A library's
     own exception on a group's work becomes CommFailedError (its cause kept) and breaks
     the group; MCR-DL's own errors are returned as they are."""
-    err = work._error
+    err = work.error
     group = work.group
     if isinstance(err, McrdlError) or not hasattr(group, "mark_broken"):
         return err
@@ -116,7 +116,7 @@ def work_failed(work) -> BaseException:
         "closed its connection or did not make the matching call; the group is unusable "
         "now. Check the other ranks' logs for the first error.")
     wrapped.__cause__ = err
-    work._error = wrapped
+    work.error = wrapped
     group.mark_broken(wrapped)
     _record(wrapped)
     return wrapped

@@ -105,7 +105,7 @@ def _schedule(rt, g, op, steps, names, desc, spans, async_op, nbytes, keep):
     prev = last.get(g.key)
 
     def after_prev():
-        if prev is not None and not prev._done:
+        if prev is not None and not prev.done:
             yield prev
         return (yield from steps())
 

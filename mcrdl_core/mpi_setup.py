@@ -43,7 +43,7 @@ class RequestsWork(Work):
         self.reqs = list(reqs)
         self.keep = keep
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         from mpi4py import MPI
 
         return MPI.Request.Testall(self.reqs)

@@ -86,5 +86,5 @@ def batch_isend_irecv(p2p_op_list, backend: str | None = None) -> list:
 
 def _global_source(g, work):
     """A receive's result as a global rank (the backend reports the group rank)."""
-    work.add_finalizer(lambda: setattr(work, "_result", g.global_rank(work._result)))
+    work.add_finalizer(lambda: setattr(work, "value", g.global_rank(work.value)))
     return work

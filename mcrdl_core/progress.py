@@ -110,7 +110,7 @@ class ProgressEngine:
 
     # --- registry -----------------------------------------------------------------------
     def add(self, work) -> None:
-        if not work._done:
+        if not work.done:
             work.engine = self
             self.inflight.append(work)
 
@@ -125,10 +125,10 @@ class ProgressEngine:
         still write into them (a late peer's message). Returns the works given up."""
         polling = self.poll_lock.acquire(timeout=0.1)  # a poll completes works too
         try:
-            left = [w for w in works if not w._done]
+            left = [w for w in works if not w.done]
             for w in left:
                 self.abandoned.append((w, w.keep))
-                w._complete(error)
+                w.complete(error)
         finally:
             if polling:
                 self.poll_lock.release()
@@ -186,7 +186,7 @@ class ProgressEngine:
                 cls.poll_many(works)
             except BaseException as exc:  # a library error: attach it to the batch
                 for w in works:
-                    w._complete(exc)
+                    w.complete(exc)
 
     def timeout_of(self, works) -> float:
         """The runtime's own timeout for a wait on ``works``: the shortest ``timeout`` of
@@ -203,7 +203,7 @@ class ProgressEngine:
         ``timeout`` seconds (None: the runtime's own, see ``timeout_of``)."""
         if len(works) == 1 and works[0].test():  # fast path: done at the first look
             return
-        pending = [w for w in works if not w._done]
+        pending = [w for w in works if not w.done]
         if not pending:
             return
         for w in pending:
@@ -215,7 +215,7 @@ class ProgressEngine:
         saved = lock._release_save() if lock._is_owned() else None
         try:
             if (len(pending) == 1 and not self.pending and self.inflight[:2] == pending
-                    and self._spin_alone(pending[0])):
+                    and self.spin_alone(pending[0])):
                 return
             self._loop(pending, timeout)
         finally:
@@ -243,24 +243,24 @@ class ProgressEngine:
                     self.progress()
                 finally:
                     poll_lock.release()
-            if all(w._done for w in pending):
+            if all(w.done for w in pending):
                 return
             now = time.perf_counter()
             if now - start > timeout:
                 err = CommTimeoutError(self.diagnose(pending, timeout))
                 if own_timeout and self.on_timeout is not None:
-                    self.on_timeout([w for w in pending if not w._done], err)
+                    self.on_timeout([w for w in pending if not w.done], err)
                 raise err
             if now > check_at and self.peer_check is not None:
                 check_at = now + CHECK_S
-                unfinished = [w for w in pending if not w._done]
+                unfinished = [w for w in pending if not w.done]
                 err = self.peer_check(unfinished)
                 if err is not None:
                     if self.on_timeout is not None:
                         self.on_timeout(unfinished, err)
                     raise err
             if threaded and not any(w.host_progress for w in self.inflight):
-                next(w for w in pending if not w._done).block(1e-3)
+                next(w for w in pending if not w.done).block(1e-3)
                 continue
             if now - last > PREEMPTED_S:  # one pass took far longer than a pass takes:
                 self.contended_until = now + CONTENDED_S  # the CPU was taken from us
@@ -276,7 +276,7 @@ class ProgressEngine:
                 time.sleep(nap)
                 nap = min(nap * 2, 1e-3)
 
-    def _spin_alone(self, w) -> bool:
+    def spin_alone(self, w) -> bool:
         """The one work in flight on this rank: poll it alone, without the loop's
         bookkeeping (about 0.3 µs a poll instead of 1.5, so completion is seen sooner),
         for at most the spin time; True if it completed. Polling it alone is the whole
@@ -286,20 +286,20 @@ class ProgressEngine:
         if w.block is not None or not self.poll_lock.acquire(False):
             return False  # (a helper thread's work: the loop blocks on it, see _loop)
         try:
-            if not w._done:
+            if not w.done:
                 try:
-                    if not spin(w._poll, self.spin_s):
+                    if not spin(w.poll, self.spin_s):
                         return False
                 except BaseException as exc:  # a library error: the work fails with it
-                    w._complete(exc)
+                    w.complete(exc)
                     return True
-                w._complete()
+                w.complete()
             return True
         finally:
             self.poll_lock.release()
 
     def diagnose(self, pending, timeout: float) -> str:
-        w = next(x for x in pending if not x._done)
+        w = next(x for x in pending if not x.done)
         group = getattr(w.group, "describe", lambda: str(w.group))()
         others = [repr(x) for x in self.inflight if x is not w][:8]
         return (

@@ -59,7 +59,7 @@ class Runtime:
         self._made: dict = {}  # ranks -> how many groups of them new_group made
         self._backends: dict = {}
         self._unavailable: dict = {}
-        self._choice: dict = {}  # memoized selections (and the fast path's plans)
+        self.choices: dict = {}  # memoized selections (and the fast path's plans)
         self._caches: dict = {}  # name -> a cache of a module, per runtime (cache())
         self.logger = comm_logger()
         self.alive = True
@@ -99,11 +99,11 @@ class Runtime:
     def set_override(self, spec: str | dict | None) -> None:
         """Replace the MCRDL_BACKEND override ('mpi' or 'op=backend,...', or a dict)."""
         self.override = parse_override(spec) if isinstance(spec, str) or spec is None else dict(spec)
-        self._choice.clear()
+        self.choices.clear()
 
     def set_table(self, table: TuningTable | str | None) -> None:
         self.table = TuningTable.load(table) if isinstance(table, str) else table
-        self._choice.clear()
+        self.choices.clear()
 
     def cache(self, name: str) -> dict:
         """A dict of this runtime's, for a module's memo of things that hold only within
@@ -139,7 +139,7 @@ class Runtime:
         key = (backend, op, device.kind, dtype, reduce_op)
         if self.table is not None and not explicit:
             key += (group.id, nbytes)
-        be = self._choice.get(key)
+        be = self.choices.get(key)
         if be is not None:
             return be
         name = self.named_backend(op, group, backend)
@@ -165,9 +165,9 @@ class Runtime:
                         f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
                         f"{self.available_backends()}")
                 be = self.backend(capable[0])
-        if len(self._choice) > 65536:
-            self._choice.clear()
-        self._choice[key] = be
+        if len(self.choices) > 65536:
+            self.choices.clear()
+        self.choices[key] = be
         return be
 
     def _capable(self, op, device, dtype, reduce_op) -> list:
@@ -328,7 +328,7 @@ class Runtime:
         self._backends.clear()
         for g in self.groups:
             g.comms.clear()
-        self._choice.clear()
+        self.choices.clear()
         self._caches.clear()
         self.alive = False
         self._unusable = "destroyed"

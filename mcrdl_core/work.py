@@ -24,7 +24,7 @@ def _failure(work):
 
 
 class Work:
-    """Base class. Subclasses implement ``_poll()`` (non-blocking) and, for batching,
+    """Base class. Subclasses implement ``poll()`` (non-blocking) and, for batching,
     may set ``poll_group`` and implement ``poll_many``."""
 
     #: works with the same poll_group are polled together by ``poll_many``
@@ -35,7 +35,7 @@ class Work:
     #: GIL, returning early when done; None where only polling can tell (see ThreadWork)
     block = None
     #: what the library may read or write until completion (buffers, temporaries);
-    #: dropped by ``_complete``
+    #: dropped by ``complete``
     keep: tuple = ()
 
     def __init__(self, backend: str, op, group=None, *, finalize: Callable | None = None,
@@ -44,15 +44,15 @@ class Work:
         self.op = op
         self.group = group
         self.desc = desc
-        self._finalizers = [finalize] if finalize else []
+        self.finalizers = [finalize] if finalize else []
         self.spans = spans  # ((lo, hi, writes), ...) for memory-overlap ordering
-        self._done = False
-        self._error: BaseException | None = None
-        self._result = result
+        self.done = False
+        self.error: BaseException | None = None
+        self.value = result
         self.engine = None  # set when registered in flight
 
     # --- backend hooks ------------------------------------------------------------------
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         """True once the library has finished. Must not block."""
         raise NotImplementedError
 
@@ -60,35 +60,35 @@ class Work:
     def poll_many(cls, works: list["Work"]) -> None:
         """Poll a batch of works of this class; default polls one by one."""
         for w in works:
-            if not w._done and w._poll():
-                w._complete()
+            if not w.done and w.poll():
+                w.complete()
 
     # --- state --------------------------------------------------------------------------
     _completing = False
 
     def add_finalizer(self, fn: Callable) -> None:
-        if self._done or self._completing:
+        if self.done or self._completing:
             fn()
         else:
-            self._finalizers.append(fn)
+            self.finalizers.append(fn)
 
-    def _complete(self, error: BaseException | None = None) -> None:
+    def complete(self, error: BaseException | None = None) -> None:
         """Run the finalizers (copies back, casts, AVG's division), then mark the work
-        done: another thread that sees ``_done`` (a waiter, the progress thread firing a
+        done: another thread that sees ``done`` (a waiter, the progress thread firing a
         torch future) must find the results in the caller's buffers already."""
-        if self._done or self._completing:
+        if self.done or self._completing:
             return
         self._completing = True
-        fins, self._finalizers = self._finalizers, []
+        fins, self.finalizers = self.finalizers, []
         if fins and error is None:
             try:
                 for fn in fins:
                     fn()
             except BaseException as exc:  # surfaced at wait()
                 error = exc
-        self._error = error
+        self.error = error
         self.keep = ()  # the library is done with the buffers: let them go
-        self._done = True
+        self.done = True
         if self.engine is not None:
             self.engine.discard(self)
 
@@ -96,26 +96,26 @@ class Work:
         """Non-blocking: True when complete. Drives this work's library once, under the
         engine's ``poll_lock``; while another thread holds it (it is polling every
         in-flight work, this one included) only reports the state."""
-        if not self._done:
+        if not self.done:
             lock = (self.engine or _engine()).poll_lock
             if lock.acquire(False):
                 try:
-                    if not self._done and self._poll():
-                        self._complete()
+                    if not self.done and self.poll():
+                        self.complete()
                 except BaseException as exc:
-                    self._complete(exc)
+                    self.complete(exc)
                 finally:
                     lock.release()
-        return self._done
+        return self.done
 
     def is_completed(self) -> bool:
         return self.test()
 
     def is_success(self) -> bool:
-        return self._done and self._error is None
+        return self.done and self.error is None
 
     def exception(self):
-        return self._error
+        return self.error
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block (polling every backend's in-flight work) until done; re-raise its error.
@@ -124,28 +124,28 @@ class Work:
         has one, else ``MCRDL_TIMEOUT``), past which the group is broken; an explicit
         timeout leaves the work in flight.
         """
-        if not self._done:
+        if not self.done:
             eng = self.engine
             # alone in flight (the usual async call): poll it alone (the engine's loop
             # would do the same first). A slice, since other threads may change the list.
             if (timeout is None and eng is not None and not eng.pending
                     and eng.inflight[:2] == [self]):
-                eng._spin_alone(self)
-            if not self._done:
+                eng.spin_alone(self)
+            if not self.done:
                 if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
                     timeout = timeout.total_seconds()
                 (eng or _engine()).wait([self], timeout)
-        if self._error is not None:
+        if self.error is not None:
             raise _failure(self)
         return True
 
     def result(self):
         """The op's result once complete (e.g. the source rank of a recv)."""
         self.wait()
-        return self._result
+        return self.value
 
     def __repr__(self) -> str:
-        state = "done" if self._done else "in flight"
+        state = "done" if self.done else "in flight"
         return f"<Work {self.op} via {self.backend} {self.desc} ({state})>"
 
 
@@ -154,9 +154,9 @@ class CompletedWork(Work):
 
     def __init__(self, backend: str, op, group=None, result=None):
         super().__init__(backend, op, group, result=result)
-        self._done = True
+        self.done = True
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         return True
 
 
@@ -182,12 +182,12 @@ class ThreadWork(Work):
         self._thread = threading.Thread(target=run, name=f"mcrdl-{desc or op}", daemon=True)
         self._thread.start()
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         if self._thread.is_alive():
             return False
         if self._exc is not None:
             raise self._exc
-        self._result = self._value
+        self.value = self._value
         return True
 
     def block(self, seconds: float) -> None:
@@ -218,7 +218,7 @@ class EventWork(Work):
         self.keep = keep
         self._check = check
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         if self.event.done:
             return True
         if self._check is not None:
@@ -238,15 +238,15 @@ class ChainWork(Work):
         self._then = then
         self.host_progress = first.host_progress
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         while True:
             if not self.stage.test():
                 return False
-            if self.stage._error is not None:
-                raise self.stage._error
+            if self.stage.error is not None:
+                raise self.stage.error
             nxt, self._then = (self._then() if self._then else None), None
             if nxt is None:
-                self._result = self.first._result
+                self.value = self.first.value
                 return True
             self.stage = nxt
             self.host_progress = nxt.host_progress

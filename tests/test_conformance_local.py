@@ -823,7 +823,7 @@ def test_nccl_refusals_raise_before_anything_is_sent(data_fakes, monkeypatch, ca
         pytest.skip("a single-process runtime is needed")
     monkeypatch.setitem(rt._unavailable, "nccl", None)
     monkeypatch.setattr(rt, "_backends", dict(rt._backends))
-    monkeypatch.setattr(rt, "_choice", {})
+    monkeypatch.setattr(rt, "choices", {})
     be = rt.backend("nccl")
     _, nccl = data_fakes
     op, fn = CORE_CALLS[call]

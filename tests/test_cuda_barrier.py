@@ -16,7 +16,7 @@ def rt(monkeypatch):
     rt = core.init()
     monkeypatch.setattr(rt, "_backends", dict(rt._backends))
     monkeypatch.setattr(rt, "_unavailable", {**rt._unavailable, "nccl": None})
-    monkeypatch.setattr(rt, "_choice", {})
+    monkeypatch.setattr(rt, "choices", {})
     monkeypatch.setattr(rt, "override", {})
     monkeypatch.setattr(rt.world, "backend", None)
     monkeypatch.setattr(mc_cuda, "current_device", lambda: 0, raising=False)

@@ -50,7 +50,7 @@ def test_no_probe_without_identities():
 
 
 class _Never(Work):
-    def _poll(self):
+    def poll(self):
         return False
 
 

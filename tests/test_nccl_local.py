@@ -156,7 +156,7 @@ def test_event_work_times_out_with_a_diagnostic():
 def test_chain_work_runs_stages_in_order_and_keeps_the_first_result():
     log = []
     first = EventWork("mpi", Op.RECV, FakeEvent(3))
-    first._result = 1
+    first.value = 1
     first.add_finalizer(lambda: log.append("recv done"))
 
     def then():

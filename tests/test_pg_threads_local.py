@@ -26,7 +26,7 @@ class Gate(Work):
         self.keep = ("buffer",)
         engine().add(self)
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         return self.open.is_set()
 
 
@@ -72,7 +72,7 @@ def test_a_wait_lets_other_threads_take_the_engine_between_polls(outer):
     b.join(HANG_S)
     assert not a.is_alive() and not b.is_alive(), "the waiter kept the engine for its whole wait"
     assert "error" not in box, box
-    assert w._done and w not in eng.inflight
+    assert w.done and w not in eng.inflight
 
 
 def test_abandon_fails_the_work_at_once_and_keeps_its_buffers():
@@ -80,7 +80,7 @@ def test_abandon_fails_the_work_at_once_and_keeps_its_buffers():
     w = Gate()
     err = BrokenGroupError("given up")
     assert eng.abandon([w], err) == [w]
-    assert w._done and w not in eng.inflight
+    assert w.done and w not in eng.inflight
     assert any(x is w and kept == ("buffer",) for x, kept in eng.abandoned)
     with pytest.raises(BrokenGroupError, match="given up"):
         w.wait()

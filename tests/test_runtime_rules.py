@@ -56,9 +56,9 @@ def test_selection_and_the_barrier_probe_follow_it():
 def test_destroy_drops_the_runtimes_caches():
     _run("rt.cache('compress.calibration')[(0, None, ('int8',))] = 'measured on group 0'\n"
          "mcrdl_core.all_reduce(np.ones(2, np.float32), backend='gloo')\n"
-         "assert rt._choice and rt.cache('compress.calibration')\n"
+         "assert rt.choices and rt.cache('compress.calibration')\n"
          "mcrdl_core.destroy()\n"
-         "assert not rt._choice and not rt._caches\n"
+         "assert not rt.choices and not rt._caches\n"
          "fresh = mcrdl_core.init(bootstrap=Bootstrap())\n"
          "assert fresh is not rt and fresh.cache('compress.calibration') == {}\n")
 

@@ -23,7 +23,7 @@ import os
 
 log = logging.getLogger("mcrdl.torch.autoload")
 
-_MPI_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+MPI_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 _FILLED: dict = {}  # the rendezvous variables this module set from MPI, and their values
 
 
@@ -40,7 +40,7 @@ def _wrap_env_rendezvous(rdzv) -> None:
         return
 
     def env_or_mpi(url, *args, **kwargs):
-        if any(v in os.environ for v in _MPI_VARS) and ("RANK" not in os.environ or _FILLED):
+        if any(v in os.environ for v in MPI_VARS) and ("RANK" not in os.environ or _FILLED):
             from mcrdl_torch.run import mpi_env
 
             # a later init in the same job: what an earlier one filled in is chosen again

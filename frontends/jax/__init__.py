@@ -47,7 +47,7 @@ def _diff():
     return autodiff
 
 
-def _traced(*xs) -> bool:
+def traced(*xs) -> bool:
     """True for traced arguments, and for any argument while a JAX transformation (jit,
     grad, vmap, a loop body) is tracing: an array closed over by a jitted function, or
     made inside it with NumPy, is concrete, but its communication belongs in the
@@ -76,7 +76,7 @@ def _path(*xs):
         return _eager
     for i, x in enumerate(xs):
         _check(x, "x" if i == 0 else "like")
-    if _traced(*xs):
+    if traced(*xs):
         return _diff()
     _eager.ready(*xs)
     return _eager

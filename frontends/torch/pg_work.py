@@ -127,12 +127,12 @@ class PGWork(dist.Work):
 
     # --- state --------------------------------------------------------------------------
     def _all_done(self) -> bool:
-        return all(w._done for w in self._works)
+        return all(w.done for w in self._works)
 
     def _error(self):
         for w in self._works:
-            if w._error is not None:
-                return w._error
+            if w.error is not None:
+                return w.error
         return None
 
     def is_completed(self) -> bool:
@@ -174,7 +174,7 @@ class PGWork(dist.Work):
             for w in self._works:
                 if end is None:
                     w.wait(self._own_timeout(w))
-                elif not w._done:  # what is left of the call's timeout (to the ms)
+                elif not w.done:  # what is left of the call's timeout (to the ms)
                     w.wait(round(max(end - time.monotonic(), 0.0), 3))
         except McrdlError as exc:
             raise dist_error(exc) from exc
@@ -241,7 +241,7 @@ class PGWork(dist.Work):
         was the runtime's own timeout (as a wait past it does), then fail the future."""
         on_timeout = _engine().on_timeout
         if breaks and on_timeout is not None:
-            on_timeout([w for w in late if not w._done], error)
+            on_timeout([w for w in late if not w.done], error)
         self._fire(error)
 
 
@@ -333,7 +333,7 @@ class _Driver:
             for w in finished:
                 self.callbacks.submit(w._fire)
             for w in expired:
-                late = [x for x in w._works if not x._done]
+                late = [x for x in w._works if not x.done]
                 if not late:  # completed just now
                     self.callbacks.submit(w._fire)
                     continue
@@ -378,7 +378,7 @@ def close_group(group, how: str, grace: float) -> list:
             eng.wait(mine, min(grace, eng.timeout_of(mine)))
         except CommTimeoutError:
             pass
-    left = [w for w in mine if not w._done]
+    left = [w for w in mine if not w.done]
     if not left:
         return []
     names = ", ".join(sorted({f"{w.op}" for w in left}))

@@ -197,8 +197,8 @@ def _unflat(flat: torch.Tensor, lists) -> None:
 def _when_done(works, steps) -> None:
     """Run ``steps`` once every one of ``works`` is complete (at once if all are), after
     the core's own finalizers; never after a failure (the tensors keep their values)."""
-    pending = [w for w in works if not w._done]
-    if any(w._error is not None for w in works if w._done):
+    pending = [w for w in works if not w.done]
+    if any(w.error is not None for w in works if w.done):
         return
     if not pending:
         for step in steps:
@@ -235,7 +235,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
     def __init__(self, group: core.Group, options=None, timeout=None):
         super().__init__(group.rank, group.size)
         self._g = group
-        self._choice = parse_options(options)
+        self.choices = parse_options(options)
         self._timeout = seconds(timeout)
         group.timeout = self._timeout
         self._coalescing = None  # core works collected between _start/_end_coalescing
@@ -288,7 +288,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
 
     # --- plumbing -----------------------------------------------------------------------
     def _backend(self, op: str):
-        return self._choice.get(op) or self._choice.get("*")
+        return self.choices.get(op) or self.choices.get("*")
 
     def _issue(self, call, outputs, source=None, after=()) -> PGWork:
         """Run ``call()`` (a list of async core works, empty if it completed them) under
@@ -617,7 +617,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
             box.append(core.recv(_b(x), None, self._g, tag, True, be))
             return box
 
-        return self._issue(call, [t], source=lambda: self._g.group_rank(box[0]._result),
+        return self._issue(call, [t], source=lambda: self._g.group_rank(box[0].value),
                            after=after)
 
     # --- barrier, coalescing ------------------------------------------------------------
@@ -665,7 +665,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
                            key=f"torch:{group_name}" if group_name else None)
         if not g.is_member:
             return None
-        opts = pg_options if pg_options is not None else self._choice or None
+        opts = pg_options if pg_options is not None else self.choices or None
         pg = McrdlProcessGroup(g, opts, timeout if timeout is not None else self._timeout)
         if group_name:
             pg._set_group_name(group_name)

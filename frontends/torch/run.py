@@ -51,9 +51,9 @@ def main(argv=None) -> None:
     import mcrdl_autoload
 
     mcrdl_autoload.register()
-    from mcrdl_autoload import _MPI_VARS
+    from mcrdl_autoload import MPI_VARS
 
-    if "RANK" not in os.environ and any(v in os.environ for v in _MPI_VARS):
+    if "RANK" not in os.environ and any(v in os.environ for v in MPI_VARS):
         mpi_env()
     if argv[0] == "-m":
         if len(argv) < 2:

@@ -160,20 +160,20 @@ class Identity(Codec):
     def _encode(self, x, out) -> None:
         n = x.shape[0]
         if self.bf16:
-            out[:2 * n].view(np.uint16)[...] = _bf16_bits(x, _xp(x))
+            out[:2 * n].view(np.uint16)[...] = bf16_bits(x, _xp(x))
         else:
             out[:n * self.storage.itemsize].view(self.storage)[...] = x
 
     def _decode(self, enc, out) -> bool:
         n = out.shape[0]
         if self.bf16:
-            out[...] = _bf16_values(enc[:2 * n].view(np.uint16), _xp(out), out.dtype)
+            out[...] = bf16_values(enc[:2 * n].view(np.uint16), _xp(out), out.dtype)
         else:
             out[...] = enc[:n * self.storage.itemsize].view(self.storage)
         return True
 
 
-def _bf16_bits(x, xp):
+def bf16_bits(x, xp):
     """float32 -> bfloat16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
@@ -181,7 +181,7 @@ def _bf16_bits(x, xp):
     return xp.where(nan, (u >> 16) | 0x40, rounded).astype(xp.uint16)
 
 
-def _bf16_values(bits, xp, dtype):
+def bf16_values(bits, xp, dtype):
     v = (bits.astype(xp.uint32) << 16).view(xp.float32)
     return v if dtype == xp.float32 else v.astype(dtype)
 
@@ -295,16 +295,16 @@ class BF16(_Blocked):
         bits = payload.view(np.uint16).reshape(x2.shape)
         if x2.dtype.itemsize <= 4:  # float32: the plain cast, no scale
             words[...] = 0
-            bits[...] = _bf16_bits(x2, xp)
+            bits[...] = bf16_bits(x2, xp)
             return
         k = _pow2_exponents(x2, self.TOP, xp)
         words.view(np.int32)[...] = k
-        bits[...] = _bf16_bits(_pow2_down(x2, k, xp), xp)
+        bits[...] = bf16_bits(_pow2_down(x2, k, xp), xp)
 
     def _decode_rows(self, words, payload, out2) -> None:
         xp = _xp(out2)
         k = words.view(np.int32)
-        v = _bf16_values(payload.view(np.uint16).reshape(out2.shape), xp, out2.dtype)
+        v = bf16_values(payload.view(np.uint16).reshape(out2.shape), xp, out2.dtype)
         if not bool(k.any()):
             out2[...] = v
             return

@@ -20,7 +20,7 @@ from .spec import make_codec, plan, plan_all_to_all, resolve, work_dtype
 
 
 def _check_intact(work, codec) -> None:
-    if work._result is False:
+    if work.value is False:
         raise NonFiniteError(
             f"codec {codec.name!r} cannot carry NaN/Inf and a block this rank's result "
             "depends on held some (its values arrived as NaN). Use int8, int4, fp16 or bf16, "

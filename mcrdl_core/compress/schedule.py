@@ -32,7 +32,7 @@ class ScheduleWork(Work):
         self._waiting: list = []
         self._desc0 = desc  # desc grows "waiting on ..." for timeout diagnostics
         if self._advance():
-            self._complete()
+            self.complete()
 
     def _advance(self) -> bool:
         while True:
@@ -40,17 +40,17 @@ class ScheduleWork(Work):
                 if not w.test():
                     self.desc = f"{self._desc0} waiting on {w.op} {w.desc}"
                     return False
-                if w._error is not None:
-                    raise w._error
+                if w.error is not None:
+                    raise w.error
             try:
                 nxt = next(self._gen)
             except StopIteration as stop:
-                self._result = stop.value
+                self.value = stop.value
                 return True
             self._waiting = list(nxt) if isinstance(nxt, (list, tuple)) else [nxt]
             self.host_progress = any(w.host_progress for w in self._waiting)
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         return self._advance()
 
 
@@ -148,12 +148,12 @@ class _Both(Work):
         self.parts = (a, b)
         self.host_progress = a.host_progress or b.host_progress
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         for w in self.parts:
             if not w.test():
                 return False
-            if w._error is not None:
-                raise w._error
+            if w.error is not None:
+                raise w.error
         return True
 
 
@@ -170,9 +170,9 @@ def to_work(buf: Buffer, wd: np.dtype):
     """``buf`` as a flat array of the work dtype (a view when it already is one)."""
     arr = buf.array().reshape(-1)
     if buf.dtype is _dt.bfloat16 and buf.device.kind != "cpu":  # CuPy sees uint16 bits
-        from .codecs import _bf16_values
+        from .codecs import bf16_values
 
-        return _bf16_values(arr, xp_of(buf), wd)
+        return bf16_values(arr, xp_of(buf), wd)
     return arr if arr.dtype == wd else arr.astype(wd)
 
 
@@ -180,8 +180,8 @@ def store(buf: Buffer, values) -> None:
     """Write work-dtype ``values`` into ``buf`` (rounding to its dtype)."""
     arr = buf.array().reshape(-1)
     if buf.dtype is _dt.bfloat16 and buf.device.kind != "cpu":
-        from .codecs import _bf16_bits
+        from .codecs import bf16_bits
 
-        arr[...] = _bf16_bits(values, xp_of(buf))
+        arr[...] = bf16_bits(values, xp_of(buf))
     else:
         arr[...] = values

@@ -22,7 +22,7 @@ def expected(count, dtype, op, ranks, salt=0):
 
 
 def fast_keys():
-    return [k for k in mcrdl_core.get_runtime()._choice if k[0] == fastpath._TAG]
+    return [k for k in mcrdl_core.get_runtime().choices if k[0] == fastpath._TAG]
 
 
 @pytest.mark.parametrize("backend", ["mpi", "auto", None])

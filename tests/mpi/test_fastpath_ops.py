@@ -20,7 +20,7 @@ F = torch.float64
 
 
 def fast_tags():
-    return {k[0] for k in mcrdl_core.get_runtime()._choice
+    return {k[0] for k in mcrdl_core.get_runtime().choices
             if isinstance(k[0], str) and k[0].startswith("fast:")}
 
 
