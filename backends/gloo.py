@@ -20,7 +20,7 @@ stream wait on the copies back). Those two ops (all-reduce: not AVG, not bfloat1
 issued with the producer stream made torch's current stream, the completion hook runs
 on that stream too, and the Work completes when an event recorded there after it is
 done (queried from the progress loop). Every other op, and those exceptions, are staged
-through pinned host memory by ``mcrdl_core.cuda.staged_call``.
+through pinned host memory by ``mcrdl_core.memory.cuda.staged_call``.
 """
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mcrdl_core import bootstrap as _bootstrap
-from mcrdl_core import config as _config
-from mcrdl_core import cuda as _cuda
+from mcrdl_core.world import bootstrap as _bootstrap
+from mcrdl_core.base import config as _config
+from mcrdl_core.memory import cuda as _cuda
 from mcrdl_core import dtypes as dt
-from mcrdl_core.backend import Backend
-from mcrdl_core.buffer import Buffer
-from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.work import ChainWork, EventWork, ThreadWork, Work
+from mcrdl_core.world.backend import Backend
+from mcrdl_core.memory.buffer import Buffer
+from mcrdl_core.base.ops import Op, ReduceOp
+from mcrdl_core.engine.work import ChainWork, EventWork, ThreadWork, Work
 
 _gpu = _cuda.cuda_dispatch
 
@@ -59,7 +59,7 @@ _OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
 #: either MCR-DL's CommTimeoutError (naming op, group, backend and rank) or Gloo's
 #: error, by chance (a fault test failed so). With Gloo's later, MCR-DL's diagnosis
 #: always comes first; a helper thread still inside Gloo then returns this long after
-#: the fault, well within the grace ``mcrdl_core.faults`` gives it (5 s by default).
+#: the fault, well within the grace ``mcrdl_core.engine.faults`` gives it (5 s by default).
 GLOO_TIMEOUT_MARGIN_S = 1.0
 
 

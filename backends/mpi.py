@@ -30,7 +30,7 @@ CUDA buffers (CuPy required):
   MPI, once an event recorded on the producer stream has completed (queried from the
   progress loop, never a blocking synchronize). Reductions that need host arithmetic
   (float16/bfloat16 upcast, AVG's division) are staged as below.
-- otherwise staged through pinned host memory (``mcrdl_core.cuda.HostStage``): copies in
+- otherwise staged through pinned host memory (``mcrdl_core.memory.cuda.HostStage``): copies in
   on the producer stream, the same MPI call on the host copies, and the results copied
   back on that stream when the request completes; the Work completes when they land.
 """
@@ -44,13 +44,13 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from mcrdl_core import cuda as _cuda
+from mcrdl_core.memory import cuda as _cuda
 from mcrdl_core import dtypes as dt
-from mcrdl_core import mpi_setup as _setup
-from mcrdl_core.backend import Backend
-from mcrdl_core.buffer import Buffer
-from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.work import Work
+from mcrdl_core.world import mpi_setup as _setup
+from mcrdl_core.world.backend import Backend
+from mcrdl_core.memory.buffer import Buffer
+from mcrdl_core.base.ops import Op, ReduceOp
+from mcrdl_core.engine.work import Work
 
 _gpu = _cuda.cuda_dispatch
 
@@ -238,7 +238,7 @@ class MPIBackend(Backend):
     def create_comm(self, group):
         """The group's communicator, made on the group's first MPI call by its members,
         with every wait for peers in the progress loop under ``MCRDL_TIMEOUT``
-        (``mcrdl_core.mpi_setup``): the world's by ``MPI_Comm_idup``; a sub-group's by
+        (``mcrdl_core.world.mpi_setup``): the world's by ``MPI_Comm_idup``; a sub-group's by
         ``MPI_Comm_create_group`` (MPI has no nonblocking form) once a nonblocking
         readiness handshake has shown every member to be there. A member that never
         makes the call therefore ends in CommTimeoutError naming the group (and the
@@ -350,7 +350,7 @@ class MPIBackend(Backend):
         req = self.comm(group).Iscatter(send, _spec(out), root)
         return MPIWork(Op.SCATTER, group, req, (out, inp))
 
-    # --- the fast path (mcrdl_core.fastpath) -------------------------------------------
+    # --- the fast path (mcrdl_core.dispatch.fastpath) -------------------------------------------
     def fast_all_reduce(self, group, dtype, op):
         """An issuer ``issue(mem, count) -> MPI request`` of an in-place ``Iallreduce`` of
         ``count`` elements of ``dtype`` in host memory ``mem`` (an address, or an object
@@ -372,7 +372,7 @@ class MPIBackend(Backend):
 
     def fast_issuer(self, op, group, dtype, red=None, root=None):
         """An issuer of ``op`` on host memory given by address, bound once to the group's
-        communicator, datatype, op and root (``mcrdl_core.fastpath``); None where this
+        communicator, datatype, op and root (``mcrdl_core.dispatch.fastpath``); None where this
         backend needs more than one MPI call (16-bit float and AVG reductions finish on
         the host) or the dtype has no MPI type. Arguments and MPI calls by op:
 

@@ -24,13 +24,13 @@ Communicators
     that group with a buffer on another device is refused. At shutdown a communicator is
     destroyed, or aborted if it failed (``ncclCommDestroy`` would wait forever).
 
-Stream and event semantics (enforced here and in ``mcrdl_core.cuda``)
+Stream and event semantics (enforced here and in ``mcrdl_core.memory.cuda``)
     1. Producer -> communication. Each communicator owns one communication stream (a
        non-blocking stream on its device, kept for the process lifetime: torch may still
        refer to it through ``record_stream``). Before an op is enqueued, an event is
        recorded on the *producer stream* of every buffer of the call and the
        communication stream waits on it (``cudaStreamWaitEvent``: no host wait). The
-       producer stream is ``mcrdl_core.cuda.producer_stream``: the stream a DLPack
+       producer stream is ``mcrdl_core.memory.cuda.producer_stream``: the stream a DLPack
        producer was asked to synchronize with (JAX arrays, and any array converted
        through DLPack, are made ready on CuPy's current stream that way), else torch's
        current stream for a torch tensor, else CuPy's current stream.
@@ -44,7 +44,7 @@ Stream and event semantics (enforced here and in ``mcrdl_core.cuda``)
     3. Switching to a host library. MPI and Gloo only touch CUDA memory once an event
        recorded on the producer stream — which by rule 2 follows the NCCL op — has
        completed, and they wait for it by *querying* it from the progress loop
-       (``mcrdl_core.cuda.ready`` / ``HostStage``). An NCCL work still in flight that
+       (``mcrdl_core.memory.cuda.ready`` / ``HostStage``). An NCCL work still in flight that
        conflicts with a later call is waited for by the runtime the same way (the
        progress loop queries its event and checks NCCL's asynchronous error). Nothing
        calls a blocking synchronize while MPI work is in flight. ``barrier()`` is the
@@ -68,7 +68,7 @@ Ops
     reduce-scatter, and all-to-all (even and uneven), gather and scatter as grouped
     send/recv inside ``groupStart``/``groupEnd`` (the rank's own block is copied with
     ``cudaMemcpyAsync`` on the communication stream; its two split sizes must agree);
-    ``batch_p2p`` (``mcrdl_core.p2p.batch_isend_irecv``) issues a batch of sends and
+    ``batch_p2p`` (``mcrdl_core.dispatch.p2p.batch_isend_irecv``) issues a batch of sends and
     receives as one group; barrier is an all-reduce of one float on a scratch buffer. Data types: int8, uint8, int32, int64, float16, bfloat16,
     float32, float64; data-movement ops move any other dtype as bytes. ReduceOps: SUM,
     PRODUCT, MIN, MAX and AVG (``ncclAvg``, NCCL >= 2.10); BAND/BOR/BXOR do not exist in
@@ -80,13 +80,13 @@ import os
 import time
 import warnings
 
-from mcrdl_core import cuda as _cuda
-from mcrdl_core import validate as _v
-from mcrdl_core.backend import Backend
-from mcrdl_core.errors import InvalidArgumentError, McrdlError, UnsupportedError
-from mcrdl_core.ops import BITWISE, REDUCING, Op, ReduceOp
-from mcrdl_core.progress import engine as _engine
-from mcrdl_core.work import EventWork, ThreadWork
+from mcrdl_core.memory import cuda as _cuda
+from mcrdl_core.dispatch import validate as _v
+from mcrdl_core.world.backend import Backend
+from mcrdl_core.base.errors import InvalidArgumentError, McrdlError, UnsupportedError
+from mcrdl_core.base.ops import BITWISE, REDUCING, Op, ReduceOp
+from mcrdl_core.engine.progress import engine as _engine
+from mcrdl_core.engine.work import EventWork, ThreadWork
 
 #: MCR-DL dtype name -> attribute of cupy.cuda.nccl
 NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
@@ -213,7 +213,7 @@ def preconnect(nccl, comm, me: int, size: int, send_ptr: int, recv_ptr: int,
 
 class _Comm:
     """One group's NCCL communicator, its device and its communication stream (a
-    process-lifetime stream: see ``mcrdl_core.cuda.lasting_stream``)."""
+    process-lifetime stream: see ``mcrdl_core.memory.cuda.lasting_stream``)."""
 
     def __init__(self, nccl_comm, device: int, stream, group):
         self.nccl = nccl_comm

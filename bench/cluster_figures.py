@@ -130,7 +130,7 @@ def _plots(benches: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mcrdl_core.cli import latency_axes
+    from mcrdl_core.tools.cli import latency_axes
 
     fig, axes = plt.subplots(1, len(PLOT_OPS), figsize=(5 * len(PLOT_OPS), 4.2), squeeze=False)
     colors = dict(zip(benches, plt.rcParams["axes.prop_cycle"].by_key()["color"]))

@@ -331,7 +331,7 @@ def measure_size(env, impls: dict, op: str, nbytes: int, args):
 def auto_pick(env, op: str, nbytes: int) -> str:
     """The backend mcrdl_torch-auto chooses at this size (as the call would)."""
     try:
-        from mcrdl_core.cli import _pick
+        from mcrdl_core.tools.cli import _pick
 
         return _pick(env["mcrdl_core"].get_runtime(), op, nbytes)
     except Exception as exc:  # noqa: BLE001  (informational only)

@@ -342,7 +342,7 @@ def part_two_env(env) -> dict:
 def part_two(out_path):
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # also when launched by hand
     import mcrdl_core as core
-    from mcrdl_core import cuda
+    from mcrdl_core.memory import cuda
 
     rt = core.init()
     cuda.cupy().cuda.Device(rt.bootstrap.local_rank % cuda.device_count()).use()
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
         part_two(args.part_two)
         return 0
 
-    from mcrdl_core import cuda
+    from mcrdl_core.memory import cuda
 
     reason = cuda.device_reason()
     if reason is not None:

@@ -46,8 +46,8 @@ from mpi4py import MPI
 import mcrdl_core
 import mcrdl_jax
 import mcrdl_torch as dist
-from mcrdl_core.logger import logger
-from mcrdl_core.selection import SCHEMA, TuningTable
+from mcrdl_core.observe.logger import logger
+from mcrdl_core.dispatch.selection import SCHEMA, TuningTable
 from timing import COMM, interleaved_batches
 
 K = 100  # all-reduces per jitted program

@@ -1,6 +1,6 @@
 """Timing helpers of bench/: every rank times each call (overhead.py) or each batch of
 calls (cross_framework.py); the figure is the slowest rank's. (`mcrdl bench` has its
-own interleaved sweep: mcrdl_core/sweep.py.)"""
+own interleaved sweep: mcrdl_core/tools/sweep.py.)"""
 from __future__ import annotations
 
 import time

@@ -4,23 +4,23 @@ This package imports neither torch nor jax; cupy is imported only inside functio
 handle CUDA buffers. Frontends (``mcrdl_torch``, ``mcrdl_jax``) convert their tensors
 to :class:`Buffer` and call the functions below.
 """
-from . import dtypes
-from .api import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
-                  barrier, broadcast, gather, irecv, isend, recv, reduce, reduce_scatter,
-                  reduce_scatter_tensor, scatter, send)
-from .backend import Backend, register_backend
-from .buffer import CPU, Buffer, Device, as_buffer
-from .errors import (BackendUnavailableError, BrokenGroupError, CommFailedError, CommTimeoutError,
-                     DtypeError, InvalidArgumentError, McrdlError, MismatchError,
-                     NotInitializedError, TableError, UnsupportedError)
-from .group import Group
-from .ops import Op, ReduceOp
+from .base import dtypes
+from .dispatch.api import (all_gather, all_gather_into_tensor, all_reduce, all_to_all,
+                           all_to_all_single, barrier, broadcast, gather, irecv, isend, recv,
+                           reduce, reduce_scatter, reduce_scatter_tensor, scatter, send)
+from .world.backend import Backend, register_backend
+from .memory.buffer import CPU, Buffer, Device, as_buffer
+from .base.errors import (BackendUnavailableError, BrokenGroupError, CommFailedError,
+                          CommTimeoutError, DtypeError, InvalidArgumentError, McrdlError,
+                          MismatchError, NotInitializedError, TableError, UnsupportedError)
+from .world.group import Group
+from .base.ops import Op, ReduceOp
 from .reshard.api import plan_reshard, reshard
-from .runtime import Runtime, destroy, get_runtime, init, is_initialized
-from .selection import TuningTable
-from .p2p import P2POp, batch_isend_irecv
-from .stragglers import stale_ranks, stragglers
-from .work import CompletedWork, Work
+from .dispatch.runtime import Runtime, destroy, get_runtime, init, is_initialized
+from .dispatch.selection import TuningTable
+from .dispatch.p2p import P2POp, batch_isend_irecv
+from .tools.stragglers import stale_ranks, stragglers
+from .engine.work import CompletedWork, Work
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 import mcrdl_torch as dist
-from mcrdl_core.errors import McrdlError
+from mcrdl_core.base.errors import McrdlError
 
 backend = sys.argv[1]
 dist.init_process_group(backend=backend)

@@ -22,7 +22,7 @@ from mcrdl_core.cluster import (Cluster, ClusterPermissionError, ClusterSpec, Cl
 from mcrdl_core.cluster.launch import mpiexec_argv
 
 ROOT = Path(__file__).resolve().parent.parent
-MCRDL = [sys.executable, "-m", "mcrdl_core.cli"]
+MCRDL = [sys.executable, "-m", "mcrdl_core.tools.cli"]
 
 
 # --- everywhere -----------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def test_tune_on_the_cluster_writes_entries_for_ranks_and_hosts_and_info_shows_t
     `mcrdl info` prints the topology, and says the table holds no entry for that shape."""
     table = tmp_path / "t.json"
     proc, _ = _run(["--hosts", "2", "--rate", "10gbit"],
-                   [sys.executable, "-m", "mcrdl_core.cli", "tune", "--ops", "all_reduce",
+                   [sys.executable, "-m", "mcrdl_core.tools.cli", "tune", "--ops", "all_reduce",
                     "--sizes", "4", "64K", "--trials-scale", "0.01", "--output", str(table)],
                    tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -189,7 +189,7 @@ def test_tune_on_the_cluster_writes_entries_for_ranks_and_hosts_and_info_shows_t
     assert [(e["op"], e["world_size"], e["hosts"]) for e in data["entries"]] == \
            [("all_reduce", 2, 2)]
     proc, rep = _run(["--hosts", "2", "--ranks-per-host", "2", "--rate", "10gbit"],
-                     [sys.executable, "-m", "mcrdl_core.cli", "info"], tmp_path=tmp_path,
+                     [sys.executable, "-m", "mcrdl_core.tools.cli", "info"], tmp_path=tmp_path,
                      env={"MCRDL_TUNING_TABLE": str(table)})
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr

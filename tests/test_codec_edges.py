@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from mcrdl_core.compress import Compression, make_codec, plan
 from mcrdl_core.compress import spec as cz_spec
-from mcrdl_core.ops import Op
+from mcrdl_core.base.ops import Op
 
 try:
     import zfpy  # noqa: F401

@@ -25,8 +25,8 @@ from mcrdl_core import dtypes as dt
 from mcrdl_core.compress import Compression, make_codec, parse, plan, resolve
 from mcrdl_core.compress import codecs as cc
 from mcrdl_core.compress import spec as cz_spec
-from mcrdl_core.errors import DtypeError, InvalidArgumentError, UnsupportedError
-from mcrdl_core.ops import Op
+from mcrdl_core.base.errors import DtypeError, InvalidArgumentError, UnsupportedError
+from mcrdl_core.base.ops import Op
 from test_codec_edges import gaussian, rel_l2
 
 F8 = ml_dtypes.float8_e4m3fn

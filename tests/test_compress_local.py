@@ -10,8 +10,8 @@ import pytest
 from mcrdl_core import dtypes as dt
 from mcrdl_core.compress import Compression, make_codec, parse, plan, resolve
 from mcrdl_core.compress import spec as cz_spec
-from mcrdl_core.errors import DtypeError, InvalidArgumentError, UnsupportedError
-from mcrdl_core.ops import Op, ReduceOp
+from mcrdl_core.base.errors import DtypeError, InvalidArgumentError, UnsupportedError
+from mcrdl_core.base.ops import Op, ReduceOp
 
 try:
     import zfpy  # noqa: F401

@@ -1,12 +1,12 @@
-"""Configuration: every MCRDL_* variable is declared once (mcrdl_core.config), parsed
+"""Configuration: every MCRDL_* variable is declared once (mcrdl_core.base.config), parsed
 strictly, and the README's table is the one generated from the declarations."""
 import re
 from pathlib import Path
 
 import pytest
 
-from mcrdl_core import config
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base import config
+from mcrdl_core.base.errors import InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("mcrdl_core", "backends", "frontends") for p in (ROOT / d).rglob("*.py")]
@@ -17,22 +17,22 @@ def test_readme_table_is_generated_from_the_declarations():
     table = re.search(r"<!-- config-table:start -->\n(.*?)\n<!-- config-table:end -->", text, re.S)
     assert table, "README.md has no config-table markers"
     assert table.group(1).strip() == config.markdown_table(), (
-        "README's configuration table differs from mcrdl_core.config: regenerate it with "
-        "`python -m mcrdl_core.config`")
+        "README's configuration table differs from mcrdl_core.base.config: regenerate it with "
+        "`python -m mcrdl_core.base.config`")
 
 
 def test_every_variable_the_code_names_is_declared():
     named = set()
     for p in SOURCES:
         named |= set(re.findall(r"\bMCRDL_[A-Z0-9_]*[A-Z0-9]\b", p.read_text()))
-    assert named - set(config.VARS) == set(), "declare these in mcrdl_core/config.py"
+    assert named - set(config.VARS) == set(), "declare these in mcrdl_core/base/config.py"
 
 
 def test_no_module_reads_an_mcrdl_variable_from_the_environment_itself():
     direct = re.compile(r"(os\.environ(\.get)?|os\.getenv)\s*[\[(]\s*[\"']MCRDL_")
     offenders = [str(p.relative_to(ROOT)) for p in SOURCES
                  if p.name != "config.py" and direct.search(p.read_text())]
-    assert offenders == [], "read MCRDL_* through mcrdl_core.config.get"
+    assert offenders == [], "read MCRDL_* through mcrdl_core.base.config.get"
 
 
 @pytest.mark.parametrize("text,value", [("on", True), ("1", True), ("Yes", True), ("off", False),

@@ -1,7 +1,7 @@
 """Backend conformance (issue 23, point 5): the ``Backend`` contract, op by op.
 
 Part 1, the cases. ``CASES`` maps each op to functions ``case(ctx, dtype, count, tag)``
-that run it through the Backend interface of ``mcrdl_core/backend.py`` on Buffers
+that run it through the Backend interface of ``mcrdl_core/world/backend.py`` on Buffers
 (group ranks for roots and peers, one Work per op, returned without blocking), every
 member of the group at once, each checking its own result against a NumPy reference
 built from every member's input. Several Works are in flight together and are waited
@@ -29,16 +29,16 @@ import pytest
 
 import mcrdl_backends.nccl as nccl_be
 import mcrdl_core as core
-from mcrdl_core import cuda as mc_cuda
+from mcrdl_core.memory import cuda as mc_cuda
 from mcrdl_core import dtypes as dt
-from mcrdl_core import validate
-from mcrdl_core.bootstrap import Bootstrap
-from mcrdl_core.buffer import CPU, Buffer, Device
-from mcrdl_core.errors import DtypeError, UnsupportedError
-from mcrdl_core.group import Group
-from mcrdl_core.ops import BITWISE, REDUCING, Op, ReduceOp
-from mcrdl_core.p2p import P2POp, batch_isend_irecv
-from mcrdl_core.work import Work
+from mcrdl_core.dispatch import validate
+from mcrdl_core.world.bootstrap import Bootstrap
+from mcrdl_core.memory.buffer import CPU, Buffer, Device
+from mcrdl_core.base.errors import DtypeError, UnsupportedError
+from mcrdl_core.world.group import Group
+from mcrdl_core.base.ops import BITWISE, REDUCING, Op, ReduceOp
+from mcrdl_core.dispatch.p2p import P2POp, batch_isend_irecv
+from mcrdl_core.engine.work import Work
 from test_cuda_nccl_comm import FakeCupy, FakeNccl, FakeRuntime
 
 N = 5  # elements per rank ("count" N); the cases also run with 0 and 1

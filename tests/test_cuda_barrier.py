@@ -6,9 +6,10 @@ import pytest
 
 import mcrdl_core as core
 from mcrdl_backends.nccl import NCCLBackend
-from mcrdl_core import cuda as mc_cuda
-from mcrdl_core.ops import Op
-from mcrdl_core.work import CompletedWork
+from mcrdl_core.memory import cuda as mc_cuda
+from mcrdl_core.base.ops import Op
+from mcrdl_core.dispatch.api import barrier_probe
+from mcrdl_core.engine.work import CompletedWork
 
 
 @pytest.fixture
@@ -53,9 +54,9 @@ def test_host_barriers_keep_the_host_probe(rt):
     core.barrier(backend="auto")
     core.barrier(backend="mpi")
     assert rt.nccl_barriers == []
-    probe = mc_cuda.barrier_probe(rt, rt.world, None)
+    probe = barrier_probe(rt, rt.world, None)
     assert probe.device.kind == "cpu"
-    cuda_probe = mc_cuda.barrier_probe(rt, rt.world, "nccl")
+    cuda_probe = barrier_probe(rt, rt.world, "nccl")
     assert cuda_probe.device.kind == "cuda" and cuda_probe.nbytes == 1
 
 

@@ -3,7 +3,7 @@ on one GPU: JAX must not preallocate) and skips decided by every rank together."
 import importlib.util
 from pathlib import Path
 
-from mcrdl_core.bootstrap import Bootstrap
+from mcrdl_core.world.bootstrap import Bootstrap
 
 PATH = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 

@@ -15,14 +15,14 @@ import pytest
 
 import mcrdl_backends.nccl as nccl_be
 from mcrdl_backends.nccl import NCCLBackend, NCCLError, NCCLWork, _Comm
-from mcrdl_core import cuda as mc_cuda
+from mcrdl_core.memory import cuda as mc_cuda
 from mcrdl_core import dtypes as dt
-from mcrdl_core.bootstrap import Bootstrap
-from mcrdl_core.buffer import Buffer, Device
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
-from mcrdl_core.group import Group
-from mcrdl_core.ops import Op
-from mcrdl_core.progress import ProgressEngine
+from mcrdl_core.world.bootstrap import Bootstrap
+from mcrdl_core.memory.buffer import Buffer, Device
+from mcrdl_core.base.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.world.group import Group
+from mcrdl_core.base.ops import Op
+from mcrdl_core.engine.progress import ProgressEngine
 
 
 # --- fakes at the CuPy / NCCL boundary ------------------------------------------------------

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mcrdl_core import cuda as mc_cuda
+from mcrdl_core.memory import cuda as mc_cuda
 from test_cuda_gpu_check import _gpu_check  # bench/gpu_check.py: its slow producer kernel
 
 GPU_REASON = mc_cuda.device_reason()
@@ -64,7 +64,7 @@ def _nccl(core):
 
 def _side(x, s):
     """``x`` as a Buffer whose producer writes on ``s`` (not CuPy's current stream)."""
-    from mcrdl_core.buffer import Buffer
+    from mcrdl_core.memory.buffer import Buffer
 
     b = Buffer.from_dlpack(x, stream=s.ptr)
     assert b.stream == s.ptr
@@ -156,7 +156,7 @@ def test_waited_nccl_work_stays_pending_until_the_gpu_is_done():
     import cupy as cp
 
     import mcrdl_core as core
-    from mcrdl_core.progress import engine
+    from mcrdl_core.engine.progress import engine
 
     _nccl(core)
     s = cp.cuda.Stream(non_blocking=True)

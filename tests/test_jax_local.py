@@ -12,7 +12,7 @@ SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mcrdl_jax as mj
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 mesh = Mesh(np.array(jax.devices()), ("d",))
 x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("d")))
 try:
@@ -49,7 +49,7 @@ del cb.emit_python_callback              # as if JAX had moved it
 try:
     import mcrdl_jax
 except ImportError as e:
-    from mcrdl_core.errors import McrdlError
+    from mcrdl_core.base.errors import McrdlError
     assert isinstance(e, McrdlError), type(e)
     print("refused:", e)
 """

@@ -115,7 +115,7 @@ def test_init_destroy_init_under_mpiexec():
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_handled_fault_does_not_end_the_peers(backend):
     """Rank 1 times out, handles it and exits; ranks 0 and 2 work on and exit 3 s later.
-    Before the exit barrier in mcrdl_core/faults.py, rank 1 left by os._exit at once and
+    Before the exit barrier in mcrdl_core/engine/faults.py, rank 1 left by os._exit at once and
     hydra killed the two others mid-work (their lines never printed; CI once saw exit 9)."""
     out = _mpiexec(3, "handled_fault_job.py", backend, timeout_s="2")
     for r in range(3):

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from mcrdl_core import bootstrap as bs
-from mcrdl_core.errors import BrokenGroupError, CommFailedError
-from mcrdl_core.group import Group
-from mcrdl_core.progress import ProgressEngine
-from mcrdl_core.work import Work
+from mcrdl_core.world import bootstrap as bs
+from mcrdl_core.base.errors import BrokenGroupError, CommFailedError
+from mcrdl_core.world.group import Group
+from mcrdl_core.engine.progress import ProgressEngine
+from mcrdl_core.engine.work import Work
 
 ME = bs.process_identity()
 pytestmark = pytest.mark.skipif(ME is None, reason="needs Linux /proc")
@@ -71,7 +71,7 @@ def test_wait_raises_the_checks_error_before_the_timeout():
 
 
 def test_runtime_check_fails_work_of_a_group_broken_meanwhile():
-    from mcrdl_core.runtime import Runtime
+    from mcrdl_core.dispatch.runtime import Runtime
 
     rt = Runtime.__new__(Runtime)
     rt.rank, rt.bootstrap = 0, _boot(ME, ME)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from mcrdl_core import alloc
+from mcrdl_core.memory import alloc
 from mcrdl_core import dtypes as dt
-from mcrdl_core.buffer import Buffer, as_buffer
-from mcrdl_core.errors import DtypeError, TableError
-from mcrdl_core.selection import TuningTable, parse_override
+from mcrdl_core.memory.buffer import Buffer, as_buffer
+from mcrdl_core.base.errors import DtypeError, TableError
+from mcrdl_core.dispatch.selection import TuningTable, parse_override
 
 
 def test_core_imports_no_framework():

@@ -8,13 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from mcrdl_core import cuda as mc_cuda
+from mcrdl_core.memory import cuda as mc_cuda
 from mcrdl_core import dtypes as dt
-from mcrdl_core.buffer import Buffer, Device
-from mcrdl_core.errors import BackendUnavailableError, CommTimeoutError, UnsupportedError
-from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.progress import ProgressEngine
-from mcrdl_core.work import ChainWork, CompletedWork, EventWork
+from mcrdl_core.memory.buffer import Buffer, Device
+from mcrdl_core.base.errors import BackendUnavailableError, CommTimeoutError, UnsupportedError
+from mcrdl_core.base.ops import Op, ReduceOp
+from mcrdl_core.engine.progress import ProgressEngine
+from mcrdl_core.engine.work import ChainWork, CompletedWork, EventWork
 
 GPU_REASON = mc_cuda.device_reason()
 
@@ -27,7 +27,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_nccl_module_imports_lazily_and_reports_why():
     out = _run("import sys\nimport mcrdl_backends.nccl as n\n"
                "assert 'cupy' not in sys.modules, 'import pulled in cupy'\n"
-               "from mcrdl_core.bootstrap import Bootstrap\n"
+               "from mcrdl_core.world.bootstrap import Bootstrap\n"
                "print('REASON', n.NCCLBackend.unavailable_reason(Bootstrap()))")
     assert out.returncode == 0, out.stderr
     reason = out.stdout.split("REASON ", 1)[1].strip()
@@ -40,7 +40,7 @@ def test_nccl_module_imports_lazily_and_reports_why():
 
 @pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present")
 def test_mcrdl_info_says_nccl_unavailable_and_mpi_cuda_awareness():
-    out = subprocess.run([sys.executable, "-m", "mcrdl_core.cli", "info"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "mcrdl_core.tools.cli", "info"], capture_output=True,
                          text=True, timeout=120, env={**__import__("os").environ,
                                                       "MCRDL_TUNING_TABLE": "none"})
     assert out.returncode == 0, out.stderr
@@ -51,7 +51,7 @@ def test_mcrdl_info_says_nccl_unavailable_and_mpi_cuda_awareness():
 def _reason_with_module_blocked(module: str, expr: str) -> str:
     """``expr`` printed by a fresh interpreter in which ``module`` cannot be imported."""
     out = _run(f"import sys\nsys.modules[{module!r}] = None\n"
-               "import mcrdl_backends.nccl as n\nfrom mcrdl_core.bootstrap import Bootstrap\n"
+               "import mcrdl_backends.nccl as n\nfrom mcrdl_core.world.bootstrap import Bootstrap\n"
                f"print({expr})")
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -98,7 +98,7 @@ def test_unique_id_bytes_from_either_cupy_api():
 
 def test_single_rank_handshake_returns_the_made_id():
     from mcrdl_backends.nccl import share_unique_id
-    from mcrdl_core.bootstrap import Bootstrap
+    from mcrdl_core.world.bootstrap import Bootstrap
 
     made = b"\x01" * 128
     assert share_unique_id(Bootstrap(), [0], lambda: made) is made
@@ -189,7 +189,7 @@ def test_cuda_buffers_fall_through_to_host_backends_when_nccl_is_unavailable():
 
 
 def test_dlpack_consumer_stream_only_for_cuda_producers():
-    from mcrdl_core.dlpack import consumer_stream
+    from mcrdl_core.memory.dlpack import consumer_stream
 
     assert consumer_stream(np.ones(3)) is None
     b = Buffer.from_dlpack(np.ones(3))

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from mcrdl_core.errors import BrokenGroupError, CommTimeoutError
-from mcrdl_core.group import Group
-from mcrdl_core.progress import engine
-from mcrdl_core.work import Work
+from mcrdl_core.base.errors import BrokenGroupError, CommTimeoutError
+from mcrdl_core.world.group import Group
+from mcrdl_core.engine.progress import engine
+from mcrdl_core.engine.work import Work
 from mcrdl_torch import pg_work
 
 HANG_S = 60  # reached only by a hang

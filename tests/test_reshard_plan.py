@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 from mcrdl_core.reshard import BALANCES, METHODS, ORDERS, Layout, Mesh, Plan
 from mcrdl_core.reshard.layout import box_shape, chunk_bounds
 from mcrdl_core.reshard.planner import make_plan

@@ -22,8 +22,8 @@ def _run(code: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["MCRDL_TUNING_TABLE"] = "none"
     head = ("import numpy as np, mcrdl_core\n"
-            "from mcrdl_core.bootstrap import Bootstrap\n"
-            "from mcrdl_core.ops import Op\n"
+            "from mcrdl_core.world.bootstrap import Bootstrap\n"
+            "from mcrdl_core.base.ops import Op\n"
             "rt = mcrdl_core.init(bootstrap=Bootstrap())\n")
     proc = subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True,
                           timeout=120, env=env)
@@ -43,8 +43,8 @@ def test_named_backend_precedence():
 
 
 def test_selection_and_the_barrier_probe_follow_it():
-    _run("from mcrdl_core.cuda import barrier_probe\n"
-         "from mcrdl_core.buffer import as_buffer\n"
+    _run("from mcrdl_core.dispatch.api import barrier_probe\n"
+         "from mcrdl_core.memory.buffer import as_buffer\n"
          "rt.set_override('*=gloo')\n"
          "a = np.ones(4, np.float32)\n"
          "mcrdl_core.all_reduce(a)\n"
@@ -64,8 +64,8 @@ def test_destroy_drops_the_runtimes_caches():
 
 
 def test_api_imports_no_transform():
-    """The api reaches compression through the hook registry only (mcrdl_core/hooks.py)."""
-    src = Path(mcrdl_core.__file__).with_name("api.py").read_text()
+    """The api reaches compression through the hook registry only (mcrdl_core/dispatch/hooks.py)."""
+    src = (Path(mcrdl_core.__file__).parent / "dispatch" / "api.py").read_text()
     names = set()
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.ImportFrom):
@@ -86,7 +86,7 @@ def test_the_compression_transform_loads_at_its_first_use():
 
 
 def test_a_registered_transform_takes_the_call():
-    _run("from mcrdl_core import hooks\n"
+    _run("from mcrdl_core.dispatch import hooks\n"
          "seen = []\n"
          "class StandIn:\n"
          "    @staticmethod\n"

@@ -1,8 +1,8 @@
-"""The core's reserved point-to-point tags (mcrdl_core.tags): no two uses overlap, all
+"""The core's reserved point-to-point tags (mcrdl_core.base.tags): no two uses overlap, all
 lie below MPI's smallest guaranteed tag bound, and consecutive calls on a group get
 disjoint slots."""
-from mcrdl_core import tags
-from mcrdl_core.group import Group
+from mcrdl_core.base import tags
+from mcrdl_core.world.group import Group
 
 
 def test_reserved_ranges_do_not_overlap_and_fit_mpi_bound():

@@ -6,14 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from mcrdl_core import dtypes, sweep, tuning
-from mcrdl_core.cli import _tune_codecs
+from mcrdl_core import dtypes
+from mcrdl_core.tools import sweep, tuning
+from mcrdl_core.tools.cli import _tune_codecs
 from mcrdl_core.compress import auto
 from mcrdl_core.compress.auto import Auto
 from mcrdl_core.compress.spec import Compression, parse
-from mcrdl_core.errors import TableError
-from mcrdl_core.ops import Op
-from mcrdl_core.selection import TuningTable
+from mcrdl_core.base.errors import TableError
+from mcrdl_core.base.ops import Op
+from mcrdl_core.dispatch.selection import TuningTable
 
 US = 1e-6
 SMALL, BIG = 4096, 1 << 20
@@ -37,7 +38,7 @@ def table_of(results) -> TuningTable:
 
 
 def fake_rt(table, override=None, unavailable=()):
-    from mcrdl_core.runtime import Runtime
+    from mcrdl_core.dispatch.runtime import Runtime
 
     caches: dict = {}
     rt = SimpleNamespace(table=table, override=override or {},

@@ -5,11 +5,11 @@ import logging
 
 import pytest
 
-from mcrdl_core import tuning
-from mcrdl_core.cli import parse_bytes
-from mcrdl_core.logger import CommLogger, bandwidths
-from mcrdl_core.errors import TableError
-from mcrdl_core.selection import TuningTable, table_from_env
+from mcrdl_core.tools import tuning
+from mcrdl_core.tools.cli import parse_bytes
+from mcrdl_core.observe.logger import CommLogger, bandwidths
+from mcrdl_core.base.errors import TableError
+from mcrdl_core.dispatch.selection import TuningTable, table_from_env
 
 US = 1e-6
 

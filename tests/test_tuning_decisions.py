@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mcrdl_core import sweep, tuning
-from mcrdl_core.errors import TableError
-from mcrdl_core.logger import CommLogger
-from mcrdl_core.selection import TuningTable, range_status
+from mcrdl_core.tools import sweep, tuning
+from mcrdl_core.base.errors import TableError
+from mcrdl_core.observe.logger import CommLogger
+from mcrdl_core.dispatch.selection import TuningTable, range_status
 
 US = 1e-6
 KEY = ("all_reduce", 2, 1, "cpu", "float")
@@ -447,7 +447,7 @@ def test_round_spread_and_order():
 def test_summary_uses_the_runtime_table(monkeypatch):
     """Without a table argument, the report reads the runtime's table in force and the
     topology (hosts of a group) from its bootstrap."""
-    import mcrdl_core.runtime as runtime
+    import mcrdl_core.dispatch.runtime as runtime
 
     t = stale_table()
     rt = SimpleNamespace(table=t, world_size=2,

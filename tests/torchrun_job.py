@@ -3,7 +3,7 @@ uses torchrun's store, Gloo does the work, and MPI says why it is unavailable.""
 import torch
 
 import mcrdl_torch as dist
-from mcrdl_core.errors import BackendUnavailableError
+from mcrdl_core.base.errors import BackendUnavailableError
 
 dist.init_process_group()
 rank, size = dist.get_rank(), dist.get_world_size()

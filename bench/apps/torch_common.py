@@ -111,7 +111,7 @@ def run(args, step, reference=None, samples_per_step: int = 0, name: str = "") -
     dist.barrier()
     log = None
     if args.backend == "mcrdl":  # which library (and codec) ran each op, for the table
-        from mcrdl_core.logger import logger
+        from mcrdl_core.observe.logger import logger
 
         log = logger()
         log.clear()

@@ -30,7 +30,7 @@ import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import ReduceOp  # noqa: F401  (public name)
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 
 from . import eager as _eager
 from .compat import check_internals, trace_state_clean

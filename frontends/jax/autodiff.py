@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from mcrdl_core import debug as _debug
-from mcrdl_core.errors import UnsupportedError
-from mcrdl_core.ops import ReduceOp
+from mcrdl_core.observe import debug as _debug
+from mcrdl_core.base.errors import UnsupportedError
+from mcrdl_core.base.ops import ReduceOp
 
 from . import eager, lowering
 from .compat import trace_state_clean

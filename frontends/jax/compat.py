@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from mcrdl_core.errors import McrdlError
+from mcrdl_core.base.errors import McrdlError
 
 log = logging.getLogger("mcrdl.jax")
 

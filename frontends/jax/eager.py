@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mcrdl_core import dtypes as _dt
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.base.errors import InvalidArgumentError, UnsupportedError
 
 from . import host
 

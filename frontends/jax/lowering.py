@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import mcrdl_core as _core
-from mcrdl_core import debug as _debug
+from mcrdl_core.observe import debug as _debug
 from mcrdl_core import dtypes as _dt
-from mcrdl_core import fastpath as _fast
-from mcrdl_core import validate as _v
-from mcrdl_core.api import prepare
-from mcrdl_core.buffer import CPU, Buffer
-from mcrdl_core.ops import Op, ReduceOp
+from mcrdl_core.dispatch import fastpath as _fast
+from mcrdl_core.dispatch import validate as _v
+from mcrdl_core.dispatch.api import prepare
+from mcrdl_core.memory.buffer import CPU, Buffer
+from mcrdl_core.base.ops import Op, ReduceOp
 
 from . import host
 from .callback import MPI4JAX as mpi4jax  # None: every call goes through the host callback

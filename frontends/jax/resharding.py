@@ -12,7 +12,7 @@ import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import dtypes as _dt
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 from mcrdl_core.reshard import Layout, Mesh
 from mcrdl_core.reshard.layout import box_shape
 

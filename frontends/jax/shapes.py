@@ -1,7 +1,7 @@
 """Shape checks shared by the eager and the traced paths of mcrdl_jax."""
 from __future__ import annotations
 
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 
 
 def leading_blocks(x, n: int, name: str, exact: bool = False) -> int:

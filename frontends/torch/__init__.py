@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import mcrdl_core as _core
 from mcrdl_core import Group, ReduceOp, Work  # noqa: F401  (public names)
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 
-from mcrdl_core import fastpath as _fp
-from mcrdl_core.runtime import get_runtime as _rt
+from mcrdl_core.dispatch import fastpath as _fp
+from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
 from .tensors import MISS as _MISS
 from .tensors import facts as _facts
@@ -96,7 +96,7 @@ def available_backends() -> dict:
 
 # --- point to point ------------------------------------------------------------------------
 # Each call first tries the core's fast path on the tensors' facts (plain contiguous CPU
-# tensors, a memoized key, nothing in the way: mcrdl_core/fastpath.py); a MISS takes the
+# tensors, a memoized key, nothing in the way: mcrdl_core/dispatch/fastpath.py); a MISS takes the
 # general path, which checks everything, raises its errors and fills the memo.
 def _p2p(fast, general, tensor, peer, group, tag, async_op, backend):
     f = _facts(tensor)

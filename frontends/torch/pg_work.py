@@ -21,7 +21,7 @@ a minute. A thread that calls ``wait()`` completes the future itself once its wo
 done (as Gloo's do, before ``wait`` returns), so its callbacks run there.
 
 Thread safety. Polls of the core's engine are serialized by its ``poll_lock``, held
-for one poll, never for a whole wait, and only tried (``mcrdl_core.progress``): the
+for one poll, never for a whole wait, and only tried (``mcrdl_core.engine.progress``): the
 progress thread polls when nobody else does, and a thread that waits
 (``PGWork.wait``) polls everything itself meanwhile. A callback that waits on another
 Work drives the engine the same way; one that waits on a future leaves it to the
@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from mcrdl_core import config as _config
-from mcrdl_core.errors import BrokenGroupError, CommTimeoutError, McrdlError
-from mcrdl_core.progress import engine as _engine
+from mcrdl_core.base import config as _config
+from mcrdl_core.base.errors import BrokenGroupError, CommTimeoutError, McrdlError
+from mcrdl_core.engine.progress import engine as _engine
 
 log = logging.getLogger("mcrdl.torch.progress")
 

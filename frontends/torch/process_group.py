@@ -39,11 +39,11 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 import mcrdl_core as core
-from mcrdl_core import bootstrap as _bootstrap
-from mcrdl_core.errors import InvalidArgumentError, McrdlError, UnsupportedError
-from mcrdl_core.ops import ReduceOp
-from mcrdl_core.progress import engine as _engine
-from mcrdl_core.selection import parse_override
+from mcrdl_core.world import bootstrap as _bootstrap
+from mcrdl_core.base.errors import InvalidArgumentError, McrdlError, UnsupportedError
+from mcrdl_core.base.ops import ReduceOp
+from mcrdl_core.engine.progress import engine as _engine
+from mcrdl_core.dispatch.selection import parse_override
 
 from .pg_work import PGWork, seconds
 from .tensors import CORE_DTYPES, as_bytes, write_back
@@ -122,7 +122,7 @@ def _apart(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 # --- tensors the core does not take as they are -----------------------------------------
 # torch's Gloo accepts outputs that are not contiguous, bool on every op, complex sums and
 # any dtype on calls that only move data; the core takes contiguous memory of its own
-# dtypes (mcrdl_core.dtypes.SUPPORTED). Each call hands the core a stand-in instead: a
+# dtypes (mcrdl_core.base.dtypes.SUPPORTED). Each call hands the core a stand-in instead: a
 # contiguous copy written back when the call is done, the tensor's bytes, bool as uint8
 # (with the reduction Gloo computes on bool), complex as (real, imag) pairs.
 

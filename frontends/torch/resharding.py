@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import mcrdl_core as _core
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.base.errors import InvalidArgumentError, UnsupportedError
 from mcrdl_core.reshard import Layout, Mesh
 from mcrdl_core.reshard.layout import box_shape
 

@@ -14,7 +14,7 @@ import runpy
 import socket
 import sys
 
-from mcrdl_core.errors import InvalidArgumentError
+from mcrdl_core.base.errors import InvalidArgumentError
 
 
 def mpi_env() -> dict:

@@ -12,11 +12,11 @@ import math
 import torch
 
 from mcrdl_core import dtypes as dt
-from mcrdl_core.buffer import CPU, Buffer, Device
-from mcrdl_core.errors import DtypeError, InvalidArgumentError
-from mcrdl_core.fastpath import MISS
-from mcrdl_core.fastpath import host_all_reduce as _host_all_reduce
-from mcrdl_core.runtime import get_runtime as _rt
+from mcrdl_core.memory.buffer import CPU, Buffer, Device
+from mcrdl_core.base.errors import DtypeError, InvalidArgumentError
+from mcrdl_core.dispatch.fastpath import MISS
+from mcrdl_core.dispatch.fastpath import host_all_reduce as _host_all_reduce
+from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
 _DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32: dt.float32,
            torch.float64: dt.float64, torch.int8: dt.int8, torch.uint8: dt.uint8,
@@ -59,7 +59,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as DTensor
 
 def facts(t):
     """(address, elements, core dtype) of a plain, contiguous CPU tensor, read off the
-    tensor for the core's fast path (``mcrdl_core.fastpath``: no Buffer is made, about
+    tensor for the core's fast path (``mcrdl_core.dispatch.fastpath``: no Buffer is made, about
     0.4 µs); None for any other tensor (the general path judges it)."""
     if type(t) in _PLAIN and t.is_cpu and t.is_contiguous():
         dtype = _DTYPES.get(t.dtype)
@@ -69,7 +69,7 @@ def facts(t):
 
 
 def fast_all_reduce(t, op, group, async_op, backend):
-    """``mcrdl_core.fastpath.host_all_reduce`` with its facts read off a plain,
+    """``mcrdl_core.dispatch.fastpath.host_all_reduce`` with its facts read off a plain,
     contiguous CPU tensor (about 0.4 µs, where a Buffer costs 1.2); MISS for any other
     tensor, and whenever the core's fast path does not apply: the caller then takes the
     general path, which checks everything and raises its errors."""

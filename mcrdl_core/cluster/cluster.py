@@ -27,10 +27,11 @@ import subprocess
 import threading
 import time
 
-from .. import config as _config
+from ..base import config as _config
 from . import system as _sys
 from .errors import ClusterError, ClusterSpecError
 from .spec import HOST_IFACE, NETWORK, SWITCH_NAME, ClusterSpec
+from .launch import program_env
 
 log = logging.getLogger("mcrdl.cluster")
 
@@ -220,8 +221,6 @@ exec ip netns exec "{s.name}-$host" nsenter --uts="{self.state_dir}/uts/$host" -
     def env(self, host: str | None = None) -> dict[str, str]:
         """What a program in the cluster finds in its environment: where it runs and how
         the libraries must talk between hosts (see launch.program_env)."""
-        from .launch import program_env
-
         return program_env(self, host)
 
     def host_argv(self, host: str, argv: list[str]) -> list[str]:

@@ -1,7 +1,7 @@
 """Errors of the emulated cluster (``mcrdl cluster``)."""
 from __future__ import annotations
 
-from ..errors import InvalidArgumentError, McrdlError
+from ..base.errors import InvalidArgumentError, McrdlError
 
 
 class ClusterError(McrdlError, RuntimeError):

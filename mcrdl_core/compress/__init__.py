@@ -1,5 +1,4 @@
-"""Compression-assisted all-gather, reduce-scatter and all-reduce (issue 12), and
-all-to-all (issue 25).
+"""Compression-assisted all-gather, reduce-scatter, all-reduce and all-to-all.
 
 Lossy compression is never used unless allowed: ``compression="int8"`` (or fp16, bf16,
 fp8, int4, zfp:RATE, none; ``@ring``/``@p2p``/``@a2a`` picks the algorithm) on

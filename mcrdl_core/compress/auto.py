@@ -40,9 +40,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtypes import dtype_class, float32
-from ..ops import Op
-from .spec import ALGORITHMS, Compression, make_codec
+from ..base.dtypes import dtype_class, float32
+from ..base.ops import Op
+from ..dispatch import api
+from ..dispatch.runtime import get_runtime
+from .spec import ALGORITHMS, Auto, Compression, make_codec, parse
 
 log = logging.getLogger("mcrdl.compress")
 
@@ -55,17 +57,6 @@ MIN_BYTES = 256 << 10
 _CALIBRATION = "compress.calibration"  # Runtime.cache names: per runtime, dropped by
 _DECIDED = "compress.decided"  # destroy() (their keys hold group ids)
 _OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER)
-
-
-@dataclass(frozen=True)
-class Auto:
-    """The codecs auto selection may use (nothing else is ever chosen); none named
-    (``compression="table"``): those the tuning table measured."""
-
-    codecs: tuple
-
-    def __str__(self) -> str:
-        return "auto:" + "+".join(self.codecs) if self.codecs else "table"
 
 
 @dataclass(frozen=True)
@@ -140,8 +131,6 @@ def calibrate(rt, group, backend: str | None, codecs) -> Calibration:
     cal = cache.get(key)
     if cal is not None:
         return cal
-    from .. import api
-
     P = group.size
     variants = ["off"] + [Compression(c, "ring") for c in codecs]
     keys, figures = [], []
@@ -304,9 +293,6 @@ def describe(spec: str, op: str, group_size: int, count: int, backend: str | Non
     """What auto chooses for ``op`` (name) on the world (for benchmarks): 'plain' or a
     Compression's spec (``int8@ring``, plus `` on mpi`` when the tuning table's variant
     runs on another backend than ``backend``). Calibrates on first use (collective)."""
-    from ..runtime import get_runtime
-    from .spec import parse
-
     rt = get_runtime()
     cz, be = choose(parse(spec), rt, rt.world, Op(op), count, float32, backend)
     if cz is None:

@@ -36,7 +36,7 @@ from the finite values). ``int8``/``int4`` reserve three codes (NaN, -Inf, +Inf)
 non-finite values survive exactly; a block holding one is flagged in its scale word,
 and only flagged blocks take the slower path. ``zfp`` is undefined on non-finite
 input: such a block is not encoded but flagged, decodes as NaN and the collective
-raises :class:`~mcrdl_core.errors.NonFiniteError` on every rank whose result depends on
+raises :class:`~mcrdl_core.base.errors.NonFiniteError` on every rank whose result depends on
 it, after the collective has finished (no rank is left waiting).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ import sys
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, McrdlError, UnsupportedError
+from ..base.errors import InvalidArgumentError, McrdlError, UnsupportedError
 
 
 class NonFiniteError(McrdlError, ValueError):

@@ -1,5 +1,5 @@
 """The compressed variants of the core's calls (all-gather, reduce-scatter, all-reduce,
-all-to-all). ``mcrdl_core.api`` validates the
+all-to-all). ``mcrdl_core.dispatch.api`` validates the
 arguments as for any call, then hands the Buffers here when a compression is allowed
 (keyword or ``MCRDL_COMPRESSION``); everything below runs before anything is sent
 until the ScheduleWork is created. An ``auto`` spec is settled here (auto.choose): the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import functools
 
-from .. import debug as _debug
-from .. import validate as _v
-from ..ops import Op, ReduceOp
+from ..observe import debug as _debug
+from ..dispatch import validate as _v
+from ..base.ops import Op, ReduceOp
 from . import algorithms as _alg
 from .auto import Auto, choose, choose_all_to_all, keeps_plain
 from .codecs import NonFiniteError

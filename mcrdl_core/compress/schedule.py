@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import alloc
-from .. import dtypes as _dt
-from .. import tags as _tags
-from ..buffer import Buffer
-from ..ops import Op
-from ..work import Work
+from ..memory import alloc
+from ..base import dtypes as _dt
+from ..base import tags as _tags
+from ..memory.buffer import Buffer
+from ..base.ops import Op
+from ..engine.work import Work
+from .codecs import bf16_bits
+from .codecs import bf16_values
 
 class ScheduleWork(Work):
     """A generator-driven Work; ``result`` is the generator's return value."""
@@ -67,7 +69,7 @@ class Channel:
         self.slot = 0
 
     def claim_slot(self) -> None:
-        """Take the group's next sequence number and its tag slot (``mcrdl_core.tags``),
+        """Take the group's next sequence number and its tag slot (``mcrdl_core.base.tags``),
         waiting through the progress loop for an earlier call still in flight on that
         slot, or, on a backend without tags (NCCL's ordered streams), for every earlier
         compressed call on the group. Every rank waits for the same calls."""
@@ -170,8 +172,6 @@ def to_work(buf: Buffer, wd: np.dtype):
     """``buf`` as a flat array of the work dtype (a view when it already is one)."""
     arr = buf.array().reshape(-1)
     if buf.dtype is _dt.bfloat16 and buf.device.kind != "cpu":  # CuPy sees uint16 bits
-        from .codecs import bf16_values
-
         return bf16_values(arr, xp_of(buf), wd)
     return arr if arr.dtype == wd else arr.astype(wd)
 
@@ -180,8 +180,6 @@ def store(buf: Buffer, values) -> None:
     """Write work-dtype ``values`` into ``buf`` (rounding to its dtype)."""
     arr = buf.array().reshape(-1)
     if buf.dtype is _dt.bfloat16 and buf.device.kind != "cpu":
-        from .codecs import bf16_bits
-
         arr[...] = bf16_bits(values, xp_of(buf))
     else:
         arr[...] = values

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes as _dt
-from .. import config as _config
-from ..errors import DtypeError, InvalidArgumentError, UnsupportedError
-from ..ops import Op, ReduceOp
-from ..fastpath import env_key, env_value
+from ..base import dtypes as _dt
+from ..base import config as _config
+from ..base.errors import DtypeError, InvalidArgumentError, UnsupportedError
+from ..base.ops import Op, ReduceOp
+from ..dispatch.fastpath import env_key, env_value
 from . import codecs as _c
 
 ALGORITHMS = ("ring", "p2p", "a2a")
@@ -76,10 +76,22 @@ class Compression:
         return f"{self.codec}@{self.algorithm}" + (f"*{self.chunks}" if self.chunks else "")
 
 
+@dataclass(frozen=True)
+class Auto:
+    """The codecs auto selection may use (``compress.auto`` chooses among them) (nothing else is ever chosen); none named
+    (``compression="table"``): those the tuning table measured."""
+
+    codecs: tuple
+
+    def __str__(self) -> str:
+        return "auto:" + "+".join(self.codecs) if self.codecs else "table"
+
+
+
 def parse(spec):
     """A Compression (or an auto.Auto) from a spec string or object; None for None, '',
     'off'."""
-    if spec is None or isinstance(spec, Compression) or type(spec).__name__ == "Auto":
+    if spec is None or isinstance(spec, Compression) or isinstance(spec, Auto):
         return spec
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"compression must be a string such as 'int8' or "
@@ -94,12 +106,8 @@ def _parse_text(spec: str, _chunks_env):
     if text in ("", "off", "0", "false"):
         return None
     if text == "table":  # the codecs `mcrdl tune --compression` measured, where they won
-        from .auto import Auto
-
         return Auto(())
     if text.startswith("auto"):
-        from .auto import Auto
-
         codecs = tuple(c for c in text[5:].split("+") if c)
         if text[4:5] != ":" or not codecs:
             raise InvalidArgumentError(f"compression {spec!r}: name the codecs auto may use, "

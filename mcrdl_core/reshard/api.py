@@ -14,17 +14,18 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .. import api as _api
-from .. import dtypes as _dt
-from .. import alloc
-from ..buffer import Buffer, as_buffer
-from ..errors import InvalidArgumentError, MismatchError
-from ..runtime import get_runtime
+from ..dispatch import api as _api
+from ..base import dtypes as _dt
+from ..memory import alloc
+from ..memory.buffer import Buffer, as_buffer
+from ..base.errors import InvalidArgumentError, MismatchError
+from ..dispatch.runtime import get_runtime
 from . import execute as _ex
 from .layout import Layout, box_shape
 from .linkmodel import LinkModel
 from .plan import Plan
 from .planner import make_plan
+from ..base.ops import Op
 
 log = logging.getLogger("mcrdl.reshard")
 
@@ -90,8 +91,6 @@ def _world_ready(rt, backend) -> None:
         done = _READY[rt] = set()
     if backend in done:
         return
-    from ..ops import Op
-
     probe = Buffer.from_numpy(np.zeros(1, np.uint8))
     rt.select(Op.SEND, rt.world, probe, backend).comm(rt.world)
     done.add(backend)

@@ -42,19 +42,19 @@ import weakref
 
 import numpy as np
 
-from .. import api as _api
-from .. import config as _config
-from .. import tags as _tags
-from ..buffer import as_buffer
-from ..errors import InvalidArgumentError
-from ..ops import Op
-from ..runtime import get_runtime
+from ..dispatch import api as _api
+from ..base import config as _config
+from ..base import tags as _tags
+from ..memory.buffer import as_buffer
+from ..base.errors import InvalidArgumentError
+from ..base.ops import Op
+from ..dispatch.runtime import get_runtime
 from .linkmodel import chain_segment
 from .plan import Plan
 
 log = logging.getLogger("mcrdl.reshard")
 
-TAG = _tags.RESHARD  # point-to-point tag of resharding messages (reserved: mcrdl_core.tags)
+TAG = _tags.RESHARD  # point-to-point tag of resharding messages (reserved: mcrdl_core.base.tags)
 GO_TAG = _tags.RESHARD_GO  # a chain's first receiver tells the sender it has started
 GO_MIN_BYTES = 1 << 20  # below this, no go message (its round trip costs more than it saves)
 CHAIN_MIN_BYTES = 1 << 16

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..base.errors import InvalidArgumentError
 
 
 class Mesh:

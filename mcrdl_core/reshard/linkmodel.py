@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .. import config as _config
-from ..errors import InvalidArgumentError
+from ..base import config as _config
+from ..base.errors import InvalidArgumentError
 
 METHODS = ("broadcast", "send_recv", "send_recv_allgather")
 

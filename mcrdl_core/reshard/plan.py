@@ -30,6 +30,7 @@ import json
 
 from .layout import Layout
 from .linkmodel import LinkModel
+from ..base.errors import InvalidArgumentError
 
 FORMAT, VERSION = "mcrdl.reshard.plan", 1
 
@@ -141,8 +142,6 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        from ..errors import InvalidArgumentError
-
         if d.get("format") != FORMAT or d.get("version") != VERSION:
             raise InvalidArgumentError(f"not a resharding plan of version {VERSION} (format "
                                        f"{d.get('format')!r}, version {d.get('version')!r}); "

@@ -32,8 +32,8 @@ import math
 
 import numpy as np
 
-from .. import dtypes as _dt
-from ..errors import InvalidArgumentError
+from ..base import dtypes as _dt
+from ..base.errors import InvalidArgumentError
 from .layout import Layout
 from .linkmodel import METHODS, LinkModel
 from .plan import Plan, Transfer

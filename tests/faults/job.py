@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import mcrdl_torch as dist
-from mcrdl_core.errors import McrdlError
+from mcrdl_core.base.errors import McrdlError
 
 TIMEOUT = float(os.environ.get("MCRDL_TIMEOUT", "3"))
 dist.init_process_group()
@@ -155,8 +155,8 @@ def dist_debug():
 # --- tuning tables ---------------------------------------------------------------------
 def table(kind, backend):
     """A bad table: a warning, the policy picks, the result is right."""
-    from mcrdl_core.runtime import get_runtime
-    from mcrdl_core.selection import SCHEMA, fingerprint, table_from_env
+    from mcrdl_core.dispatch.runtime import get_runtime
+    from mcrdl_core.dispatch.selection import SCHEMA, fingerprint, table_from_env
 
     path = os.path.join(os.environ.get("FAULT_TMP", "/tmp"), f"mcrdl-fault-{kind}-{RANK}.json")
     def entry(name):

@@ -21,7 +21,7 @@ import mcrdl_core as mc
 import mcrdl_torch as dist
 from conftest import BACKENDS, RANK, SIZE
 from mcrdl_core.compress import NonFiniteError, make_codec
-from mcrdl_core.errors import DtypeError, UnsupportedError
+from mcrdl_core.base.errors import DtypeError, UnsupportedError
 
 try:
     import zfpy  # noqa: F401

@@ -15,7 +15,8 @@ import torch
 import mcrdl_core as mc
 from conftest import BACKENDS, RANK, SIZE
 from mcrdl_core.compress import make_codec
-from mcrdl_core.errors import DtypeError, InvalidArgumentError, MismatchError, UnsupportedError
+from mcrdl_core.base.errors import (DtypeError, InvalidArgumentError, MismatchError,
+                                    UnsupportedError)
 from test_compress import data, local_round_trip
 
 CODECS = ["fp8", "int8", "fp16", "bf16", "none"]

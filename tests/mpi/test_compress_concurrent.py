@@ -132,7 +132,7 @@ class TestDebugModeChecksCompressedCalls:
     def test_codec_differs(self, backend):
         x = data(RANK, 500, 26)
         out = np.empty(SIZE * 500, np.float32)
-        with pytest.raises(mc.errors.MismatchError, match="has compression 'int4:128@ring"):
+        with pytest.raises(mc.MismatchError, match="has compression 'int4:128@ring"):
             mc.all_gather_into_tensor(out, x, backend=backend,
                                       compression="int4" if RANK == 1 else "int8")
 
@@ -142,7 +142,7 @@ class TestDebugModeChecksCompressedCalls:
         n = 600 if RANK == 1 else 500
         x = data(RANK, SIZE * n, 27)
         out = np.empty(n, np.float32)
-        with pytest.raises(mc.errors.MismatchError, match="elements per rank 600 where group "
+        with pytest.raises(mc.MismatchError, match="elements per rank 600 where group "
                                                           "rank 0 has 500"):
             mc.reduce_scatter_tensor(out, x, backend=backend, compression="fp16")
 

@@ -1,5 +1,5 @@
 """Backend conformance suite (issue 23, point 5): one test per op, run against every
-registered backend (``mcrdl_core.backend.REGISTRY``), so that adding a backend means
+registered backend (``mcrdl_core.world.backend.REGISTRY``), so that adding a backend means
 passing this file. Runs under mpiexec at 1, 2 and 3 ranks (tests/test_multirank.py).
 
 Each op test is parametrized by backend x dtype (every dtype the backend claims for the
@@ -34,10 +34,10 @@ import pytest
 import mcrdl_core as core
 from conftest import RANK, SIZE
 from mcrdl_core import dtypes as dt
-from mcrdl_core.backend import REGISTRY, Backend
-from mcrdl_core.buffer import CPU
-from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.p2p import P2POp, batch_isend_irecv
+from mcrdl_core.world.backend import REGISTRY, Backend
+from mcrdl_core.memory.buffer import CPU
+from mcrdl_core.base.ops import Op, ReduceOp
+from mcrdl_core.dispatch.p2p import P2POp, batch_isend_irecv
 
 _TESTS = Path(__file__).resolve().parents[1]
 sys.path.append(str(_TESTS))  # the cases module imports the fakes of test_cuda_nccl_comm.py

@@ -12,9 +12,10 @@ import torch
 import mcrdl_core as core
 import mcrdl_torch as dist
 from conftest import GROUPS, RANK, SIZE, SUB_RANKS
-from mcrdl_core.errors import (BackendUnavailableError, CommTimeoutError, DtypeError,
-                               InvalidArgumentError, MismatchError, TableError, UnsupportedError)
-from mcrdl_core.selection import TuningTable, table_from_env
+from mcrdl_core.base.errors import (BackendUnavailableError, CommTimeoutError, DtypeError,
+                                    InvalidArgumentError, MismatchError, TableError,
+                                    UnsupportedError)
+from mcrdl_core.dispatch.selection import TuningTable, table_from_env
 
 needs2 = pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
 
@@ -46,7 +47,7 @@ def test_backend_that_cannot_do_it_says_which_can():
                                                    r"Backends that can: \['mpi', 'gloo'\]"):
             dist.all_reduce(torch.ones(2, dtype=torch.int32), backend="toy")
     finally:
-        core.backend.REGISTRY.pop("toy")
+        core.world.backend.REGISTRY.pop("toy")
         core.get_runtime()._unavailable.pop("toy", None)
 
 

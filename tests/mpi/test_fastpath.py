@@ -1,4 +1,4 @@
-"""The all-reduce fast path (mcrdl_core/fastpath.py): the same results and the same
+"""The all-reduce fast path (mcrdl_core/dispatch/fastpath.py): the same results and the same
 errors as the general path, on every call of a memoized key, and the general path
 whenever other work is in flight. Every rank checks its own result against NumPy."""
 import numpy as np
@@ -7,9 +7,9 @@ import torch
 
 import mcrdl_core
 import mcrdl_torch as dist
-from mcrdl_core import fastpath
-from mcrdl_core.logger import logger
-from mcrdl_core.errors import InvalidArgumentError, UnsupportedError
+from mcrdl_core.dispatch import fastpath
+from mcrdl_core.observe.logger import logger
+from mcrdl_core.base.errors import InvalidArgumentError, UnsupportedError
 from conftest import RANK, SIZE, values
 
 OPS = {"sum": (dist.ReduceOp.SUM, np.sum), "max": (dist.ReduceOp.MAX, np.max),
@@ -124,7 +124,7 @@ def test_facts_entries_need_a_memoized_key_and_stay_right():
     rt = mcrdl_core.get_runtime()
     a = values(RANK, 3, torch.float64).numpy().copy()
     g = mcrdl_core.new_group(list(range(SIZE)))  # a fresh group: no key of it is memoized
-    assert fastpath.host_all_reduce(rt, a.ctypes.data, 3, mcrdl_core.dtypes.float64, a,
+    assert fastpath.host_all_reduce(rt, a.ctypes.data, 3, mcrdl_core.base.dtypes.float64, a,
                                     dist.ReduceOp.MAX, g, False, "mpi") is fastpath.MISS
     for salt in range(3):
         p = torch.nn.Parameter(values(RANK, 3, torch.float64, salt), requires_grad=False)
@@ -132,7 +132,7 @@ def test_facts_entries_need_a_memoized_key_and_stay_right():
         np.testing.assert_array_equal(p.detach().numpy(),
                                       expected(3, torch.float64, "max", range(SIZE), salt))
     b = values(RANK, 3, torch.float64, 7).numpy().copy()
-    assert fastpath.host_all_reduce(rt, b.ctypes.data, 3, mcrdl_core.dtypes.float64, b,
+    assert fastpath.host_all_reduce(rt, b.ctypes.data, 3, mcrdl_core.base.dtypes.float64, b,
                                     dist.ReduceOp.MAX, g, False, "mpi") is None
     np.testing.assert_array_equal(b, expected(3, torch.float64, "max", range(SIZE), 7))
 

@@ -1,4 +1,4 @@
-"""The fast path of every op other than all_reduce (mcrdl_core/fastpath.py, issue 23
+"""The fast path of every op other than all_reduce (mcrdl_core/dispatch/fastpath.py, issue 23
 point 2): repeated calls of a memoized key give NumPy's result on every rank, blocking
 and async, on the world and on a subgroup whose ranks are reversed; work in flight
 (a ring of isend/irecv, async collectives overlapping) is ordered and driven; aliasing,
@@ -12,8 +12,8 @@ import torch
 
 import mcrdl_core
 import mcrdl_torch as dist
-from mcrdl_core.errors import InvalidArgumentError
-from mcrdl_core.logger import logger
+from mcrdl_core.base.errors import InvalidArgumentError
+from mcrdl_core.observe.logger import logger
 from conftest import RANK, SIZE, values
 
 F = torch.float64
@@ -201,7 +201,7 @@ def test_debug_mode_checks_every_call(monkeypatch):
     dist.broadcast(t, 0, backend="mpi")  # memoized
     monkeypatch.setattr(rt, "debug", True)
     calls = []
-    import mcrdl_core.debug as dbg
+    import mcrdl_core.observe.debug as dbg
     real = dbg.check
     monkeypatch.setattr(dbg, "check", lambda *a, **k: (calls.append(a[2]), real(*a, **k)))
     t = values(RANK, 3, F, 1)

@@ -11,7 +11,7 @@ import pytest
 
 import mcrdl_core as mc
 from conftest import RANK, SIZE
-from mcrdl_core.errors import MismatchError
+from mcrdl_core.base.errors import MismatchError
 
 needs3 = pytest.mark.skipif(SIZE < 3, reason="needs 3 ranks")
 

@@ -1,4 +1,4 @@
-"""The two-level all-reduce (``backend="hier"``, mcrdl_core/hier.py) against NumPy on
+"""The two-level all-reduce (``backend="hier"``, mcrdl_core/algorithms/hier.py) against NumPy on
 every rank. Hierarchical where the launch emulates hosts (``MCRDL_RANKS_PER_HOST=2`` at
 4 ranks and ``=3`` at 6, from tests/test_multirank.py); elsewhere the same calls run flat, which is part
 of the contract (``hier`` is always a valid request)."""
@@ -8,10 +8,10 @@ import torch
 
 import mcrdl_core as core
 import mcrdl_torch as dist
-from mcrdl_core import config as _config
-from mcrdl_core import hier
-from mcrdl_core.errors import InvalidArgumentError
-from mcrdl_core.logger import logger
+from mcrdl_core.base import config as _config
+from mcrdl_core.algorithms import hier
+from mcrdl_core.base.errors import InvalidArgumentError
+from mcrdl_core.observe.logger import logger
 
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
 K = _config.get("MCRDL_RANKS_PER_HOST") or 0  # ranks per emulated host

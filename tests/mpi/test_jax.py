@@ -10,8 +10,8 @@ import pytest
 
 import mcrdl_jax as mj
 from conftest import RANK, SIZE, grp  # noqa: F401  (fixture)
-from mcrdl_core.errors import (BackendUnavailableError, DtypeError, InvalidArgumentError,
-                               UnsupportedError)
+from mcrdl_core.base.errors import (BackendUnavailableError, DtypeError, InvalidArgumentError,
+                                    UnsupportedError)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
           "int32": np.int32}
@@ -189,7 +189,7 @@ def test_debug_mode_refuses_shapes_that_differ_across_ranks(backend, dt, mode):
     MismatchError at trace time on every rank, not a hang or garbage."""
     if mode != "jit" or SIZE < 2:
         pytest.skip("a jit property, needs 2 ranks")
-    from mcrdl_core.errors import MismatchError
+    from mcrdl_core.base.errors import MismatchError
     rt = __import__("mcrdl_core").get_runtime()
     rt.debug = True
     try:

@@ -10,7 +10,7 @@ import pytest
 
 import mcrdl_jax as mj
 from conftest import RANK, SIZE
-from mcrdl_core.errors import UnsupportedError
+from mcrdl_core.base.errors import UnsupportedError
 
 N = 4  # rows per rank block
 

@@ -13,7 +13,7 @@ import pytest
 import mcrdl_core as mc
 import mcrdl_jax as mj
 from conftest import RANK, SIZE
-from mcrdl_core.errors import MismatchError
+from mcrdl_core.base.errors import MismatchError
 
 N = 3
 

@@ -11,7 +11,7 @@ import pytest
 import mcrdl_core as mc
 import mcrdl_jax as mj
 from conftest import RANK, SIZE
-from mcrdl_core.selection import SCHEMA, TuningTable
+from mcrdl_core.dispatch.selection import SCHEMA, TuningTable
 
 
 @pytest.fixture

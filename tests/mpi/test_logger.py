@@ -6,7 +6,7 @@ import torch
 import mcrdl_core
 import mcrdl_torch as dist
 from conftest import SIZE
-from mcrdl_core.logger import logger
+from mcrdl_core.observe.logger import logger
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ import pytest
 import mcrdl_core as core
 from conftest import RANK, SIZE, SUB_RANKS
 from mcrdl_backends.nccl import id_bytes, nccl_library, share_unique_id
-from mcrdl_core import cuda as mc_cuda
+from mcrdl_core.memory import cuda as mc_cuda
 from mcrdl_core import dtypes as dt
-from mcrdl_core.buffer import Buffer, Device
-from mcrdl_core.errors import BackendUnavailableError, InvalidArgumentError
-from mcrdl_core.ops import Op, ReduceOp
-from mcrdl_core.p2p import P2POp, batch_isend_irecv
+from mcrdl_core.memory.buffer import Buffer, Device
+from mcrdl_core.base.errors import BackendUnavailableError, InvalidArgumentError
+from mcrdl_core.base.ops import Op, ReduceOp
+from mcrdl_core.dispatch.p2p import P2POp, batch_isend_irecv
 
 RT = core.get_runtime()
 BS = RT.bootstrap

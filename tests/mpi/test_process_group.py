@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mcrdl_core.logger import logger
+from mcrdl_core.observe.logger import logger
 
 RANK = int(os.environ.get("PMI_RANK", os.environ.get("RANK", 0)))  # mpiexec, torchrun
 
@@ -137,7 +137,7 @@ def test_refusals_are_runtime_errors_too():
     all_to_all_single with 4 elements and falls back to scatter when it fails. MCR-DL's
     refusal (dim 0 not divisible by the group) is raised before anything is sent, as a
     RuntimeError that is still an InvalidArgumentError/ValueError."""
-    from mcrdl_core.errors import InvalidArgumentError
+    from mcrdl_core.base.errors import InvalidArgumentError
 
     n = _n()
     if n == 1:

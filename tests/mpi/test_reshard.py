@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mcrdl_core as mc
-from mcrdl_core.errors import InvalidArgumentError, MismatchError
+from mcrdl_core.base.errors import InvalidArgumentError, MismatchError
 from mcrdl_core.reshard import Layout, Mesh
 
 from conftest import RANK, SIZE

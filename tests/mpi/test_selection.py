@@ -6,8 +6,8 @@ import torch
 import mcrdl_core as core
 import mcrdl_torch as dist
 from conftest import SIZE
-from mcrdl_core.ops import Op
-from mcrdl_core.selection import TuningTable
+from mcrdl_core.base.ops import Op
+from mcrdl_core.dispatch.selection import TuningTable
 
 TABLE = {"schema": "mcrdl.tuning/1", "entries": [
     {"op": "all_reduce", "world_size": SIZE, "device": "cpu", "dtype_class": "float",

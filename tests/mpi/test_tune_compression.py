@@ -13,9 +13,9 @@ from mpi4py import MPI
 
 import mcrdl_core as mc
 from conftest import RANK, SIZE
-from mcrdl_core import cli
+from mcrdl_core.tools import cli
 from mcrdl_core.compress import auto
-from mcrdl_core.selection import TuningTable
+from mcrdl_core.dispatch.selection import TuningTable
 from test_compress import data, local_round_trip, rel
 
 pytestmark = pytest.mark.skipif(SIZE < 2, reason="one rank compresses nothing")

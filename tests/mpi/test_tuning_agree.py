@@ -12,10 +12,10 @@ from mpi4py import MPI
 
 import mcrdl_core as mc
 from conftest import RANK, SIZE
-from mcrdl_core import cli, tuning
-from mcrdl_core.logger import CommLogger
-from mcrdl_core.selection import TuningTable
-from mcrdl_core.stragglers import stale_ranks
+from mcrdl_core.tools import cli, tuning
+from mcrdl_core.observe.logger import CommLogger
+from mcrdl_core.dispatch.selection import TuningTable
+from mcrdl_core.tools.stragglers import stale_ranks
 
 COMM = MPI.COMM_WORLD
 KEY = ("all_reduce", SIZE, 1, "cpu", "float")

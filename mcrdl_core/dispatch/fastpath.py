@@ -1,0 +1,474 @@
+"""The fast path: what a small host call costs, and what it skips.
+
+Every op a training step is made of (all_reduce, broadcast, reduce,
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single even and by split
+sizes, send/recv blocking and async, barrier) has an entry here that takes the call's
+*facts* (addresses, element counts, dtype: what mcrdl_torch reads off a plain contiguous
+CPU tensor without making a Buffer) and runs the call from a memo: once per key (op,
+group, dtype, backend request, reduce op, root, and the size where a tuning table
+decides) the general path's checks and selection run and the chosen backend hands out an
+*issuer* (``Backend.fast_issuer``; all_reduce's ``fast_all_reduce``: a closure over the
+communicator, datatype, op and root). Later calls of the key pay a dict lookup, the
+per-call checks (group alive and not broken, root or peer in the group, counts that fit
+the group, input and output apart), the issuer (one nonblocking MPI call) and the wait.
+The general path (``api.py``) calls the Buffer entry of the same function with its
+Buffer, which fills the memo; the facts entries miss until it has.
+
+A call takes the general path instead (MISS, before anything is sent) where the fast
+path could not keep the general path's guarantees: ``MCRDL_DEBUG`` (the cross-rank
+checks), compression (``compression=`` or ``MCRDL_COMPRESSION``), device memory, a
+backend without an issuer (Gloo, NCCL) or an op it needs more than one library call for
+(16-bit float and AVG reductions finish on the host), deferred work pending, memory that
+conflicts with work in flight (the general path orders it), bad input of any kind (the
+general path raises its error), an uneven all-to-all under a tuning table. The
+all-reduce alone also steps aside whenever anything is in flight.
+
+The wait. With nothing else in flight, polling this one request *is* the progress
+loop: a blocking call spins on ``Request.Test`` for at most ``MCRDL_SPIN_US`` µs,
+holding the engine's ``poll_lock`` if it is free; if it is not done by then, the request
+is wrapped in a Work and handed to the engine's ordinary wait (timeout, diagnostics,
+broken groups, dead peers). With other work in flight, a blocking call waits through the
+engine at once, which drives everything in flight; an async call registers its Work
+with the memory it reads and writes, for the ordering of later calls. No MPI call that
+can block is ever made.
+
+Threads. "Nothing in flight" is read without a lock: another thread may issue right
+after. The request is this call's own, so nobody else polls it; at worst the other
+thread's work is not driven by this call for the spin's length, after which the
+engine's wait polls everything.
+
+Environment variables read on every call go through ``env_value`` (a lookup in
+``os.environ``'s own bytes-keyed dict: 0.03 µs, where ``os.environ.get`` encodes the
+name every time, about 1 µs). Where the time of one call goes, and how it was brought
+down, is in docs/benchmarks.md ("Per-call overhead").
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ctypes import addressof as _addressof
+from ctypes import c_char as _c_char
+
+from ..base.dtypes import BY_NP
+from ..base.ops import Op, ReduceOp
+from ..engine.progress import spin as _spin
+from . import validate as _v
+
+#: returned when the fast path does not apply: the caller takes the general path
+MISS = object()
+
+# os.environ's own dict (another platform without it: os.environ itself)
+_ENV = getattr(os.environ, "_data", os.environ)
+
+
+def env_key(name: str):
+    """``name`` as ``env_value`` looks it up (encoded once, here)."""
+    return os.environ.encodekey(name) if _ENV is not os.environ else name
+
+
+def env_value(key):
+    """The raw value of the variable ``env_key`` made ``key`` for, or None if unset
+    (bytes on POSIX: for comparing and memo keys, not for parsing)."""
+    return _ENV.get(key)
+
+
+_COMPRESSION = env_key("MCRDL_COMPRESSION")
+
+
+def compression_env() -> bool:
+    """True if MCRDL_COMPRESSION asks for compression (set and not empty): one dict
+    lookup, shared by this module and the api's general path."""
+    return bool(_ENV.get(_COMPRESSION))
+
+
+_TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime.choices``
+
+
+def _plan(rt, g, buf, backend, op):
+    """(backend instance, issuer or None, reduce op) for this key, running the general
+    path's checks and selection (which raise its errors)."""
+    red = ReduceOp.coerce(op)
+    _v.reduce_op(red, buf.dtype)
+    be = rt.select(Op.ALL_REDUCE, g, buf, backend, red)
+    issue = be.fast_all_reduce(g, buf.dtype, red)
+    return be, issue, red
+
+
+def all_reduce(rt, buf, op, group, async_op: bool, backend):
+    """The Buffer entry (``mcrdl_core.all_reduce``): like ``host_all_reduce``, and on the
+    first call of a key it runs the general path's checks and fills the memo."""
+    if buf.device.kind != "cpu":
+        return MISS
+    return host_all_reduce(rt, buf.ptr, buf.numel, buf.dtype, buf, op, group, async_op,
+                           backend, buf)
+
+
+def ndarray_all_reduce(rt, arr, op, group, async_op: bool, backend):
+    """The NumPy entry (``mcrdl_core.all_reduce`` on an ndarray): the facts from the
+    array's flags and the buffer protocol (about 0.6 µs; a Buffer costs 1.2); MISS for
+    an array that is empty, not contiguous, read-only or of a dtype the buffer protocol
+    cannot export (the general path then judges it)."""
+    f = arr.flags
+    dt = BY_NP.get(arr.dtype)
+    if dt is None or dt.is_half or not (f.c_contiguous and f.writeable and arr.size):
+        return MISS
+    return host_all_reduce(rt, arr, arr.size, dt, arr, op, group, async_op, backend)
+
+
+def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool,
+                    backend, buf=None):
+    """Issue and (blocking) complete an in-place all-reduce of ``count`` elements of
+    ``dtype`` in host memory ``mem`` (an address, or an object MPI can read as a buffer:
+    a NumPy array); return None (blocking) or the Work (async), or MISS if the general
+    path must run.
+
+    The facts entry, for frontends that have checked, as cheaply as their framework
+    allows, that the memory is host memory, contiguous and writable (mcrdl_torch reads
+    them off the tensor, mcrdl_core off a NumPy array's flags): no Buffer is made.
+    ``owner`` is what keeps the memory alive while an async call is in flight. Without
+    ``buf`` (the Buffer entry's), a key not memoized yet is a MISS: the caller's general
+    path then checks the call and fills the memo."""
+    if rt.debug or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
+        return MISS
+    g = rt.group(group)  # liveness and broken-group checks, every call
+    if rt.table is not None and backend in (None, "auto") and g.backend is None:
+        key = (_TAG, g, dtype, backend, op, count * dtype.itemsize)
+    else:
+        key = (_TAG, g, dtype, backend, op)
+    choice = rt.choices
+    try:
+        plan = choice.get(key)
+    except TypeError:  # an unhashable op argument: let the general path judge it
+        return MISS
+    if plan is None:
+        if buf is None:
+            return MISS
+        plan = choice[key] = _plan(rt, g, buf, backend, op)
+    be, issue, _ = plan
+    eng = rt.engine
+    if issue is None or eng.inflight or eng.pending:
+        return MISS
+    logging_on = rt.logger.enabled
+    if logging_on:
+        t0 = time.perf_counter()
+    req = issue(mem, count)
+    if async_op:
+        nbytes = count * dtype.itemsize
+        work = be.work_of(Op.ALL_REDUCE, g, req, _address(mem), nbytes, owner)
+        if logging_on:
+            work.add_finalizer(lambda: rt.logger.record("all_reduce", nbytes, be.name,
+                                                        g.size, time.perf_counter() - t0))
+        work.engine = eng
+        eng.inflight.append(work)
+        return work
+    if not _done_alone(eng, req):  # then the engine's loop: timeout, diagnostics
+        be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
+                   owner).wait()
+    if logging_on:  # CommLogger.record's tuple, appended without the method call
+        rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
+                                  time.perf_counter() - t0))
+    return None
+
+
+def _done_alone(eng, req) -> bool:
+    """Poll the request of a blocking call that is alone in flight on this rank until it
+    completes, for at most the engine's spin time; True if it did. No poll lock: with
+    nothing else in flight a progress thread has nothing to poll."""
+    test = req.Test
+    return test() or _spin(test, eng.spin_s)
+
+
+def _spin_polling(eng, test) -> bool:
+    """Spin on ``test`` for the engine's spin time, holding its ``poll_lock`` if free
+    (so that a progress thread does not contend for the library meanwhile)."""
+    polling = eng.poll_lock.acquire(False)
+    try:
+        return _spin(test, eng.spin_s)
+    finally:
+        if polling:
+            eng.poll_lock.release()
+
+
+def _address(mem) -> int:
+    """The address for a Work's span: ``mem`` itself, or a NumPy array's data."""
+    return mem if mem.__class__ is int else _addressof(_c_char.from_buffer(mem))
+
+
+# --- every other op ----------------------------------------------------------------------
+# The same memo and the same rules as the all-reduce above, for the ops the issue list
+# of a training step is made of: broadcast, reduce, all_gather_into_tensor,
+# reduce_scatter_tensor, all_to_all_single (even, and uneven by split sizes), send and
+# recv (blocking and async), barrier. Each entry takes the call's facts (addresses,
+# element counts, dtype) and returns None/the source rank (blocking), the Work (async)
+# or MISS. Unlike the all-reduce, other work may be in flight: the call then checks its
+# memory against what is in flight (a conflict is a MISS: the general path orders it)
+# and a blocking call waits through the engine, which drives everything in flight.
+# What these entries never do: run the debug checks (MCRDL_DEBUG is a MISS), compress
+# (a ``compression=`` or MCRDL_COMPRESSION is a MISS where the op has codecs), touch
+# device memory, or judge bad input (a count that does not fit the group, an alias of
+# output and input, an unknown dtype: MISS, and the general path raises its error).
+
+_T = {op: f"fast:{op.value}" for op in Op}  # first part of the memo keys, per op
+_T_UNEVEN = "fast:all_to_all_v"
+
+
+def _plan_op(rt, op, g, buf, backend, red=None, root=None, nbytes=-1):
+    """(backend instance, issuer or None, reduce op) of one key: the general path's
+    checks (which raise its errors) and selection, then the backend's issuer."""
+    if red is not None:
+        red = ReduceOp.coerce(red)
+        _v.reduce_op(red, buf.dtype)
+    be = rt.select(op, g, buf, backend, red, nbytes)
+    issue = be.fast_issuer(op, g, buf.dtype, red, root)
+    return be, issue, red
+
+
+def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
+    """The memoized plan of a key, made from ``buf`` on its first call (None without
+    ``buf``: the caller's general path makes it). Keys carry the size only where a
+    tuning table decides (as ``Runtime.select`` does)."""
+    if rt.table is not None and backend in (None, "auto") and g.backend is None:
+        key = (tag, g, dtype, backend, extra, nbytes)
+    else:
+        key = (tag, g, dtype, backend, extra)
+    choice = rt.choices
+    try:
+        plan = choice.get(key)
+    except TypeError:  # an unhashable argument: let the general path judge it
+        return None
+    if plan is None and buf is not None:
+        plan = choice[key] = _plan_op(rt, *plan_args)
+    return plan
+
+
+def _conflicts(inflight, spans) -> bool:
+    """Whether this call's memory conflicts with work in flight (RAW, WAR, WAW)."""
+    for w in inflight:
+        for a, b, wa in w.spans:
+            for c, d, wb in spans:
+                if (wa or wb) and a < d and c < b:
+                    return True
+    return False
+
+
+def _run(rt, be, op, g, issue, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
+         req_back=False):
+    """Issue ``issue(*args)`` and finish the call: register it (async) or complete it
+    (blocking: spin on the request alone while nothing else is in flight, else the
+    engine's wait). ``[rlo, rhi)`` is the memory the call reads, ``[wlo, whi)`` what it
+    writes (empty: equal bounds). Returns the Work (async), None (blocking; the
+    completed request if ``req_back``), or MISS, before anything is issued, if memory
+    conflicts with work in flight or deferred work is pending."""
+    eng = rt.engine
+    inflight = eng.inflight
+    if not (async_op or inflight or eng.pending or rt.logger.enabled):
+        # the common case, first and lean (half the cost of the general code below): a
+        # blocking call alone on this rank, then the engine's wait with its timeout
+        req = issue(*args)
+        if not _done_alone(eng, req):
+            be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
+        return req if req_back else None
+    if inflight or async_op:
+        spans = ((rlo, rhi, False), (wlo, whi, True))
+        if eng.pending or (inflight and _conflicts(inflight, spans)):
+            return MISS
+    elif eng.pending:
+        return MISS
+    logging_on = rt.logger.enabled
+    if logging_on:
+        t0 = time.perf_counter()
+    req = issue(*args)
+    if not async_op and not inflight:
+        if not _spin_polling(eng, req.Test):
+            be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
+        if logging_on:
+            rt.logger.records.append((op.value, nbytes, be.name, g.size,
+                                      time.perf_counter() - t0))
+        return req if req_back else None
+    work = be.fast_work(op, g, req, spans, keep)
+    if logging_on:
+        work.add_finalizer(lambda: rt.logger.record(op.value, nbytes, be.name, g.size,
+                                                    time.perf_counter() - t0))
+    if async_op:
+        work.engine = eng
+        inflight.append(work)
+        return work
+    work.wait()
+    return req if req_back else None
+
+
+def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op, backend,
+              buf):
+    """A rooted in-place op (broadcast, reduce) of ``count`` elements at ``ptr``; ``root``
+    is a global rank (``what`` names the argument in errors)."""
+    if rt.debug:
+        return MISS
+    g = rt.group(group)
+    root = g.group_rank(root, what)
+    nbytes = count * dtype.itemsize
+    plan = _lookup(rt, _T[op], g, dtype, backend, (red, root), nbytes, buf,
+                   (op, g, buf, backend, red, root))
+    if plan is None or plan[1] is None:
+        return MISS
+    return _run(rt, plan[0], op, g, plan[1], (ptr, count), (owner,), async_op, nbytes, 0, 0,
+                ptr, ptr + nbytes)
+
+
+def broadcast(rt, ptr, count, dtype, owner, src, group, async_op, backend, buf=None):
+    """In-place broadcast of ``count`` elements at ``ptr`` from global rank ``src``."""
+    return _in_place(rt, Op.BROADCAST, ptr, count, dtype, owner, src, "src", None, group,
+                     async_op, backend, buf)
+
+
+def reduce(rt, ptr, count, dtype, owner, dst, op, group, async_op, backend, buf=None):
+    """In-place reduce of ``count`` elements at ``ptr`` onto global rank ``dst``."""
+    return _in_place(rt, Op.REDUCE, ptr, count, dtype, owner, dst, "dst", op, group, async_op,
+                     backend, buf)
+
+
+def _apart(out_ptr, out_bytes, in_ptr, in_bytes) -> bool:
+    return not (out_bytes and in_bytes and out_ptr < in_ptr + in_bytes
+                and in_ptr < out_ptr + out_bytes)
+
+
+def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners, red, group,
+              async_op, backend, buf, gathers):
+    """all_gather (``gathers``: the small block is the input) or reduce_scatter (the
+    small block is the output) of one block per rank: ``big_count`` = group size x
+    ``small_count``, the two apart in memory."""
+    if rt.debug or _ENV.get(_COMPRESSION):
+        return MISS
+    g = rt.group(group)
+    isz = dtype.itemsize
+    small, big = small_count * isz, big_count * isz
+    if big_count != g.size * small_count or not _apart(big_ptr, big, small_ptr, small):
+        return MISS
+    plan = _lookup(rt, _T[op], g, dtype, backend, red, small, buf, (op, g, buf, backend, red))
+    if plan is None or plan[1] is None:
+        return MISS
+    args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
+    if gathers:  # reads the small block, writes the big one
+        return _run(rt, plan[0], op, g, plan[1], args, owners, async_op, big, small_ptr,
+                    small_ptr + small, big_ptr, big_ptr + big)
+    return _run(rt, plan[0], op, g, plan[1], args, owners, async_op, big, big_ptr,
+                big_ptr + big, small_ptr, small_ptr + small)
+
+
+def all_gather(rt, out_ptr, out_count, in_ptr, in_count, dtype, owners, group, async_op,
+               backend, buf=None):
+    """``all_gather_into_tensor``: ``in_count`` elements at ``in_ptr`` from every rank
+    into ``out_count`` (= group size x ``in_count``) at ``out_ptr``."""
+    return _block_op(rt, Op.ALL_GATHER, in_ptr, in_count, out_ptr, out_count, dtype, owners,
+                     None, group, async_op, backend, buf, True)
+
+
+def reduce_scatter(rt, out_ptr, out_count, in_ptr, in_count, dtype, owners, op, group,
+                   async_op, backend, buf=None):
+    """``reduce_scatter_tensor``: ``in_count`` (= group size x ``out_count``) elements
+    at ``in_ptr`` reduced across ranks, this rank's block into ``out_ptr``."""
+    return _block_op(rt, Op.REDUCE_SCATTER, out_ptr, out_count, in_ptr, in_count, dtype, owners,
+                     op, group, async_op, backend, buf, False)
+
+
+def _counts(splits, rows: int, count: int, n: int):
+    """Element counts per peer from split sizes along dim 0, or None where they do not
+    fit (the general path then raises its error)."""
+    if len(splits) != n:
+        return None
+    per_row = count // rows if rows else 0
+    total = 0
+    counts = []
+    for s in splits:
+        s = int(s)
+        if s < 0:
+            return None
+        total += s
+        counts.append(s * per_row)
+    return counts if total == rows else None
+
+
+def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtype, owners,
+               out_splits, in_splits, group, async_op, backend, buf=None):
+    """``all_to_all_single``: even (no split sizes: one ``MPI_Ialltoall``) or by split
+    sizes along dim 0 (``MPI_Ialltoallv``); ``*_rows`` are the tensors' dim 0."""
+    if rt.debug or _ENV.get(_COMPRESSION):
+        return MISS
+    g = rt.group(group)
+    n = g.size
+    isz = dtype.itemsize
+    in_bytes, out_bytes = in_count * isz, out_count * isz
+    if not _apart(out_ptr, out_bytes, in_ptr, in_bytes):
+        return MISS
+    bounds = (in_ptr, in_ptr + in_bytes, out_ptr, out_ptr + out_bytes)
+    if not out_splits and not in_splits:  # even by its form
+        if in_count != out_count or in_rows % n or out_rows % n:
+            return MISS
+        plan = _lookup(rt, _T[Op.ALL_TO_ALL], g, dtype, backend, None, in_bytes, buf,
+                       (Op.ALL_TO_ALL, g, buf, backend, None, None, in_bytes))
+        if plan is None or plan[1] is None:
+            return MISS
+        return _run(rt, plan[0], Op.ALL_TO_ALL, g, plan[1], (out_ptr, in_ptr, in_count // n),
+                    owners, async_op, in_bytes, *bounds)
+    if rt.table is not None and backend in (None, "auto") and g.backend is None:
+        return MISS  # a table decides by size, and an uneven call has none in common
+    out_counts = (_counts(out_splits, out_rows, out_count, n) if out_splits
+                  else (None if out_rows % n else [out_count // n] * n))
+    in_counts = (_counts(in_splits, in_rows, in_count, n) if in_splits
+                 else (None if in_rows % n else [in_count // n] * n))
+    if out_counts is None or in_counts is None or out_counts[g.rank] != in_counts[g.rank]:
+        return MISS
+    plan = _lookup(rt, _T_UNEVEN, g, dtype, backend, None, None, buf,
+                   (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
+    if plan is None or plan[1] is None:
+        return MISS
+    return _run(rt, plan[0], Op.ALL_TO_ALL, g, plan[1], (out_ptr, in_ptr, out_counts, in_counts),
+                owners, async_op, in_bytes, *bounds)
+
+
+def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=None):
+    if rt.debug:
+        return MISS
+    g = rt.group(group)
+    peer = g.group_rank(dst, "dst")
+    nbytes = count * dtype.itemsize
+    plan = _lookup(rt, _T[Op.SEND], g, dtype, backend, None, nbytes, buf,
+                   (Op.SEND, g, buf, backend))
+    if plan is None or plan[1] is None:
+        return MISS
+    return _run(rt, plan[0], Op.SEND, g, plan[1], (ptr, count, peer, int(tag)), (owner,),
+                async_op, nbytes, ptr, ptr + nbytes, 0, 0)
+
+
+def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=None):
+    """Blocking: the sender's global rank; async: the Work (its ``result()`` is that)."""
+    if rt.debug:
+        return MISS
+    g = rt.group(group)
+    peer = None if src is None else g.group_rank(src, "src")
+    nbytes = count * dtype.itemsize
+    plan = _lookup(rt, _T[Op.RECV], g, dtype, backend, None, nbytes, buf,
+                   (Op.RECV, g, buf, backend))
+    if plan is None or plan[1] is None:
+        return MISS
+    done = _run(rt, plan[0], Op.RECV, g, plan[1], (ptr, count, peer, int(tag)), (owner,),
+                async_op, nbytes, 0, 0, ptr, ptr + nbytes, True)
+    if done is MISS or not async_op:  # blocking: the completed request
+        return done if done is MISS else g.ranks[done.source()]
+    done.add_finalizer(lambda: setattr(done, "value", g.ranks[done.source()]))
+    return done
+
+
+def barrier(rt, group, async_op, backend, probe):
+    """A barrier with nothing in flight on this rank (else MISS: the general path makes
+    it wait for the group's earlier collectives). ``probe``: the general path's probe
+    buffer, which the first call of a key selects with."""
+    if rt.debug or rt.engine.inflight:
+        return MISS
+    g = rt.group(group)
+    plan = _lookup(rt, _T[Op.BARRIER], g, None, backend, None, 0, probe,
+                   (Op.BARRIER, g, probe, backend))
+    if plan is None or plan[1] is None:
+        return MISS
+    return _run(rt, plan[0], Op.BARRIER, g, plan[1], (), (), async_op, 0, 0, 0, 0, 0)
+

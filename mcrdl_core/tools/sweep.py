@@ -1,0 +1,442 @@
+"""Latency sweeps over ops, message sizes and backends (used by ``mcrdl tune`` and
+``mcrdl bench``).
+
+For one (op, size) every backend is measured in *paired rounds*: in each round every
+column runs once, back to back, each call after a barrier, in an order that rotates
+from round to round so that every column is first, last and after every other one
+equally often (``round_order``, a Williams design, the same on every rank). Machine
+noise and the previous call's after-effects then fall on all columns alike, and the
+tuner compares columns round by round (tuning.py's ``compare``). The collector is off
+while timing (as in timeit). A call's time is the slowest rank's (max over ranks);
+``measure_rounds`` returns those per round, ``measure_point`` their medians. Buffers
+are NumPy arrays (float32, or int32 for the int class), allocated once per point; with
+``device="cuda"`` they are CuPy arrays on the current device, and each timed call ends
+with a synchronize of CuPy's current stream (NCCL calls return once enqueued, and the
+caller's stream is made to wait on them), so a call's time includes the GPU's part.
+Sizes are bytes per rank (the selection size, see selection.py).
+
+``LoadWatch`` and ``load_report`` record what else ran on the hosts during a tuning run
+(``mcrdl tune`` stores it in the table's machine block; docs/tuning.md).
+
+Compressed variants (``mcrdl tune --compression``) are more columns of the same point,
+named ``BACKEND+CODEC@ALGORITHM`` (``compressed_columns``): each allowed codec's ring
+over each backend for all_gather, reduce_scatter and all_reduce, and its all-to-all
+variant for reduce_scatter. They run on N(0, 1) data (the same on every rank; codec
+speed can depend on values, and constant data would flatter it), shared by all the
+compressed columns of a point; their all_reduce averages (AVG) so the values stay
+put from call to call instead of doubling into Inf, which int8/int4 would carry on a
+slower path.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+
+from ..base import config as _config
+from ..dispatch import api
+from ..dispatch.runtime import get_runtime
+from ..memory.cuda import cupy
+
+
+def trials_for(nbytes: int, scale: float = 1.0) -> int:
+    """More trials for small messages (cheap, noisier), fewer for large ones."""
+    return max(12, int(min(200, (512 << 20) // max(nbytes, 1) // 16) * scale))
+
+
+def element_count(op: str, nbytes: int, n: int, itemsize: int) -> int:
+    """Elements of the buffer the selection sees for a sweep point of ``nbytes``: the
+    per-rank payload, except all-to-all, whose whole input (n equal blocks) is it."""
+    count = max(nbytes // itemsize, 1)
+    return max(count // n, 1) * n if op == "all_to_all" else count
+
+
+def array_module(device: str):
+    """numpy for "cpu", cupy for "cuda" (imported only then)."""
+    if device == "cpu":
+        return np
+    if device != "cuda":
+        raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+    return cupy()
+
+
+#: the compressed algorithms measured per op (all_gather's a2a, one backend all-gather
+#: of the encoded bytes, is left out: it is the ring's wire volume in one call);
+#: all_to_all has one: each destination's block encoded once, one backend all-to-all
+COMPRESSED_ALGORITHMS = {"all_gather": ("ring",), "reduce_scatter": ("ring", "a2a"),
+                         "all_reduce": ("ring",), "all_to_all": ("a2a",)}
+
+
+def compressed_columns(op: str, backends, codecs) -> list[str]:
+    """The compressed variants measured for ``op``: ``BACKEND+CODEC@ALGORITHM`` for each
+    codec, algorithm and (plain, not control) backend; none for other ops."""
+    return [f"{b}+{c}@{a}" for c in codecs for a in COMPRESSED_ALGORITHMS.get(op, ())
+            for b in backends if "@" not in b and "+" not in b]
+
+
+def split_column(label: str) -> tuple[str, str | None]:
+    """(backend, compression spec or None) of a sweep column: ``mpi`` and the A/A
+    control ``mpi@2`` are plain mpi; ``mpi+int8@ring`` is mpi carrying int8@ring."""
+    backend, plus, spec = label.partition("+")
+    return (backend, spec) if plus else (label.split("@")[0], None)
+
+
+def make_call(op: str, nbytes: int, backend: str, dtype=np.float32, group=None,
+              device: str = "cpu", compression: str | None = None, pool: dict | None = None):
+    """A zero-argument function doing one ``op`` of ``nbytes`` per rank on ``backend``,
+    on host memory or (``device="cuda"``) on the current GPU, synchronized per call.
+    ``compression``: a spec (``"int8@ring"``) for all_gather, reduce_scatter and
+    all_reduce; ``pool``: a dict in which the calls of one point share their buffers."""
+    fn = _make_call(op, nbytes, backend, dtype, group, array_module(device), compression,
+                    {} if pool is None else pool)
+    if device == "cpu":
+        return fn
+    sync = array_module(device).cuda.get_current_stream().synchronize
+
+    def on_gpu():
+        fn()
+        sync()  # blocking calls only: nothing of another library is in flight here
+    return on_gpu
+
+
+def _buffers(xp, dtype, count: int, n: int, pool: dict, gaussian: bool):
+    """(x, big): ``count`` and ``n * count`` elements: ones, fresh for each plain column;
+    N(0, 1) for the compressed columns, made once per point and shared through ``pool``
+    (ten or more columns of 64 MiB buffers would not fit otherwise)."""
+    if not gaussian:
+        return xp.ones(count, dtype=dtype), xp.ones(count * n, dtype=dtype)
+    key = (count, n)
+    if key not in pool:
+        big = xp.asarray(np.random.default_rng(0).standard_normal(count * n).astype(dtype))
+        pool[key] = (xp.array(big[:count]), big)
+    return pool[key]
+
+
+def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=None):
+    rt = get_runtime()
+    g = rt.group(group)
+    n, me = g.size, g.rank
+    count = max(nbytes // np.dtype(dtype).itemsize, 1)
+    if compression is not None and op not in COMPRESSED_ALGORITHMS:
+        raise ValueError(f"{op} has no compressed variant; only {sorted(COMPRESSED_ALGORITHMS)}")
+    x, big = _buffers(xp, dtype, count, n, {} if pool is None else pool,
+                      compression is not None)
+    kw = {"group": group, "backend": backend}
+    if compression is not None:
+        kw["compression"] = compression
+        if op == "all_reduce":
+            return lambda: api.all_reduce(x, "avg", **kw)
+    elif op in COMPRESSED_ALGORITHMS and _config.get("MCRDL_COMPRESSION"):
+        kw["compression"] = "off"  # a plain column is the backend's own collective
+    root = g.ranks[0]
+    if op == "all_reduce":
+        return lambda: api.all_reduce(x, **kw)
+    if op == "broadcast":
+        return lambda: api.broadcast(x, root, **kw)
+    if op == "reduce":
+        return lambda: api.reduce(x, root, **kw)
+    if op == "all_gather":
+        return lambda: api.all_gather_into_tensor(big, x, **kw)
+    if op == "reduce_scatter":
+        return lambda: api.reduce_scatter_tensor(x, big, **kw)
+    if op == "all_to_all":  # the selection size of all-to-all is the whole input
+        per_peer = element_count(op, nbytes, n, x.itemsize) // n
+        _, inp = _buffers(xp, dtype, per_peer, n, pool, compression is not None)
+        out = xp.empty_like(inp)
+        return lambda: api.all_to_all_single(out, inp, **kw)
+    if op == "gather":
+        outs = [xp.empty(count, dtype=dtype) for _ in range(n)] if me == 0 else None
+        return lambda: api.gather(x, outs, root, **kw)
+    if op == "scatter":
+        ins = [xp.ones(count, dtype=dtype) for _ in range(n)] if me == 0 else None
+        return lambda: api.scatter(x, ins, root, **kw)
+    if op == "send_recv":  # ping-pong between group ranks 0 and 1; others idle
+        if n < 2 or me > 1:
+            return lambda: None
+        peer = g.ranks[1 - me]
+
+        def pingpong():
+            if me == 0:
+                api.send(x, peer, **kw)
+                api.recv(x, peer, **kw)
+            else:
+                api.recv(x, peer, **kw)
+                api.send(x, peer, **kw)
+        return pingpong
+    if op == "barrier":
+        return lambda: api.barrier(group, backend=backend)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def measure_rounds(op: str, nbytes: int, columns, rounds: int, warmup: int = 3,
+                   dtype=np.float32, group=None, settle_s: float = 2e-4,
+                   device: str = "cpu") -> dict:
+    """{column: array of ``rounds`` seconds} for one (op, size): per round, the slowest
+    rank's time of each column's call, the columns of a round back to back
+    (``round_order``). A column is a backend (``"auto"``: through the tuning table in
+    force), the A/A control ``mpi@2`` (mpi measured again) or a compressed variant
+    ``mpi+int8@ring``. send_recv reports one-way latency (half the round trip). Every
+    rank returns the same figures."""
+    rt = get_runtime()
+    sync_backend = "mpi" if rt.unavailable_reason("mpi") is None else "gloo"
+    pool: dict = {}
+    calls = {}
+    for b in columns:
+        name, spec = split_column(b)
+        calls[b] = make_call(op, nbytes, name, dtype, group, device, spec, pool)
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    fns = list(calls.values())
+    times = np.zeros((len(fns), rounds))
+    gc.collect()
+    gc_was_on = gc.isenabled()
+    gc.disable()  # as timeit does: collector pauses would land on whichever call is next
+    try:
+        _timed_rounds(fns, round_order(len(fns), rounds), times, group, sync_backend, settle_s)
+    finally:
+        if gc_was_on:
+            gc.enable()
+    api.all_reduce(times, "max", group=group, backend=sync_backend)
+    if op == "send_recv":
+        times *= 0.5
+    return {b: times[i] for i, b in enumerate(calls)}
+
+
+def measure_point(op: str, nbytes: int, backends, trials: int, warmup: int = 3,
+                  dtype=np.float32, group=None, settle_s: float = 2e-4,
+                  device: str = "cpu") -> dict:
+    """{column: median seconds} over ``trials`` paired rounds (``measure_rounds``)."""
+    got = measure_rounds(op, nbytes, backends, trials, warmup, dtype, group, settle_s, device)
+    return {b: float(np.median(t)) for b, t in got.items()}
+
+
+def round_order(k: int, rounds: int) -> list[list[int]]:
+    """The order of the ``k`` columns in each of ``rounds`` rounds: the rows of a
+    Williams design (a balanced Latin square; for odd k, with its mirror image),
+    repeated. Over a full cycle every column takes every position equally often and
+    directly follows every other column equally often inside a round: a call right
+    after another library's call can pay for it (Gloo's threads winding down on a busy
+    machine), and the first call of a round can pay for the barrier; the design spreads
+    both evenly over the columns."""
+    if k <= 1:
+        return [[0] * k for _ in range(rounds)]
+    first, lo, hi = [0], 1, k - 1
+    while len(first) < k:
+        first.append(lo)
+        lo += 1
+        if len(first) < k:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % k for x in first] for i in range(k)]
+    if k % 2:
+        rows += [row[::-1] for row in rows]
+    return [rows[r % len(rows)] for r in range(rounds)]
+
+
+def _timed_rounds(fns, order, times, group, sync_backend, settle_s):
+    for r, perm in enumerate(order):
+        for i in perm:
+            time.sleep(settle_s)  # let the previous call's library threads go idle
+            api.barrier(group, backend=sync_backend)
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i, r] = time.perf_counter() - t0
+
+
+def algbw_bytes(op: str, nbytes: int, n: int) -> int:
+    """S of the nccl-tests formulas for a sweep point of ``nbytes`` per rank."""
+    return nbytes * n if op in ("all_gather", "reduce_scatter", "gather", "scatter") else nbytes
+
+
+def sizes_between(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` to ``hi`` bytes (both rounded to powers of two)."""
+    out, s = [], 1 << max(int(lo) - 1, 0).bit_length()
+    while s <= hi:
+        out.append(s)
+        s <<= 1
+    return out
+
+
+def sweep_rounds(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32,
+                 group=None, on_point=None, device: str = "cpu", compression=()) -> dict:
+    """{op: {size: {column: array of per-round seconds}}}, a column per backend plus,
+    with ``compression`` (codec names), the compressed variants of
+    ``compressed_columns``; ``trials_for(size)`` rounds per point. ``on_point(op,
+    size)`` after each point (a progress bar). Barrier is measured once (size 0)."""
+    results = {}
+    for op in ops:
+        pts = [0] if op == "barrier" else sizes
+        cols = list(backends) + compressed_columns(op, backends, compression)
+        results[op] = {}
+        for size in pts:
+            results[op][size] = measure_rounds(op, size, cols, trials_for(size, trials_scale),
+                                               dtype=dtype, group=group, device=device)
+            if on_point:
+                on_point(op, size)
+    return results
+
+
+def sweep(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32, group=None,
+          on_point=None, device: str = "cpu", compression=()) -> dict:
+    """{op: {size: {column: median seconds}}} of ``sweep_rounds``."""
+    got = sweep_rounds(ops, sizes, backends, trials_scale=trials_scale, dtype=dtype,
+                       group=group, on_point=on_point, device=device, compression=compression)
+    return {op: {s: {c: float(np.median(t)) for c, t in by.items()} for s, by in pts.items()}
+            for op, pts in got.items()}
+
+
+def round_spread(results: dict) -> float:
+    """How much the rounds of a sweep disagree: the median, over every point and
+    column, of the interquartile range of its rounds over their median (0 for figures
+    without rounds). A quiet machine keeps it small; past ``SPREAD_WARN`` the timings
+    say more about the machine than about the backends."""
+    spreads = []
+    for pts in results.values():
+        for by in pts.values():
+            for t in by.values():
+                t = np.asarray(t, dtype=np.float64)
+                if t.size >= 4 and np.median(t) > 0:
+                    q1, q2, q3 = np.percentile(t, (25, 50, 75))
+                    spreads.append((q3 - q1) / q2)
+    return float(np.median(spreads)) if spreads else 0.0
+
+
+# --- what else runs on the machine -----------------------------------------------------
+#: thresholds of ``load_warnings``: a load average above the cores this job leaves free
+#: by this much; other processes' CPU use during the run above the free cores by this
+#: many cores; CPU steal above this fraction; round spread above this
+LOAD_MARGIN = 0.75
+OTHERS_MARGIN = 0.25
+STEAL_WARN = 0.05
+SPREAD_WARN = 0.5
+
+
+def _proc_stat() -> tuple[int, int, int] | None:
+    """(busy, steal, total) jiffies of all CPUs since boot, from /proc/stat (None where
+    there is no such file)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    steal = fields[7] if len(fields) > 7 else 0
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, steal, total
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class LoadWatch:
+    """What else ran on the hosts while a sweep measured (``mcrdl tune``): made on every
+    rank before the sweep, ``sample()`` now and then (cheap), ``finish()`` collectively
+    at the end. Per host: cores, this job's ranks there, the 1-minute load average
+    before the run and the highest seen during it, the CPU time other processes used
+    during the run (the host's busy time from /proc/stat minus this job's ranks' own
+    CPU time, in cores) and CPU steal (a virtual machine's CPU taken by its
+    hypervisor)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.t0 = time.monotonic()
+        self.load_before = _loadavg()
+        self.load_max = self.load_before
+        self.stat0 = _proc_stat()
+        self.cpu0 = _own_cpu_s()
+
+    def sample(self) -> None:
+        now = _loadavg()
+        if now is not None and (self.load_max is None or now > self.load_max):
+            self.load_max = now
+
+    def finish(self, spread: float = 0.0, window_s: float = 0.5) -> dict:
+        """Collective (every rank): the report of ``load_report`` for the whole job. A
+        watch younger than ``window_s`` first sleeps until it is that old, so that a
+        report taken as a run starts sees a short quiet window of this job."""
+        if time.monotonic() - self.t0 < window_s:
+            time.sleep(window_s - (time.monotonic() - self.t0))
+        self.sample()
+        stat1, wall = _proc_stat(), time.monotonic() - self.t0
+        bs = self.rt.bootstrap
+        mine = {"host": bs.host_of[self.rt.rank] if bs.host_of else bs.hostname(),
+                "cores": os.cpu_count() or 1, "ranks": bs.local_size,
+                "own_cpu_s": _own_cpu_s() - self.cpu0, "wall_s": wall,
+                "load_before": self.load_before, "load_max": self.load_max,
+                "stat": None if self.stat0 is None or stat1 is None
+                else [b - a for a, b in zip(self.stat0, stat1)]}
+        return load_report(bs.allgather(mine), spread)
+
+
+def load_report(per_rank: list, spread: float = 0.0) -> dict:
+    """The machine block's ``"load"``: per host (from every rank's ``LoadWatch``
+    figures) cores, ranks, load averages, other processes' CPU use (cores) and steal
+    (fraction); the round spread; and ``warnings``, one sentence each
+    (``load_warnings``)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    hosts: dict = {}
+    for r in per_rank:
+        h = hosts.setdefault(r["host"], {"host": r["host"], "cores": r["cores"],
+                                         "ranks": r["ranks"], "own_cpu_s": 0.0,
+                                         "load_before": r["load_before"],
+                                         "load_max": r["load_max"], "stat": r["stat"],
+                                         "wall_s": r["wall_s"]})
+        h["own_cpu_s"] += r["own_cpu_s"]
+        if r["load_max"] is not None and (h["load_max"] is None or r["load_max"] > h["load_max"]):
+            h["load_max"] = r["load_max"]
+    out = []
+    for h in hosts.values():
+        busy_s = steal = None
+        if h["stat"] is not None and h["stat"][2] > 0:
+            busy_s = h["stat"][0] / tick
+            steal = h["stat"][1] / h["stat"][2]
+        others = None
+        if busy_s is not None and h["wall_s"] > 0:
+            others = max(busy_s - h["own_cpu_s"], 0.0) / h["wall_s"]
+        out.append({"host": h["host"], "cores": h["cores"], "ranks": h["ranks"],
+                    "load_before": _round(h["load_before"]), "load_max": _round(h["load_max"]),
+                    "others_cores": _round(others), "steal": _round(steal, 4)})
+    report = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "hosts": out,
+              "round_spread": round(spread, 4)}
+    report["warnings"] = load_warnings(report)
+    return report
+
+
+def _round(x, nd: int = 2):
+    return None if x is None else round(float(x), nd)
+
+
+def load_warnings(report: dict) -> list[str]:
+    """One sentence per condition that makes timings say more about the machine than
+    about the backends: more ranks on a host than cores; a load average before the run
+    or other processes' CPU use during it beyond the cores this job leaves free; CPU
+    steal; rounds that disagree (``round_spread``)."""
+    warn = []
+    for h in report.get("hosts", ()):
+        free = max(h["cores"] - h["ranks"], 0)
+        where = f"host {h['host']} ({h['cores']} cores, {h['ranks']} ranks of this job)"
+        if h["ranks"] > h["cores"]:
+            warn.append(f"{where}: more ranks than cores, so ranks preempt each other")
+        if h.get("load_before") is not None and h["load_before"] > free + LOAD_MARGIN:
+            warn.append(f"{where}: load average {h['load_before']:.2f} before the run")
+        if h.get("others_cores") is not None and h["others_cores"] > free + OTHERS_MARGIN:
+            warn.append(f"{where}: other processes used {h['others_cores']:.2f} cores during "
+                        "the run")
+        if h.get("steal") is not None and h["steal"] > STEAL_WARN:
+            warn.append(f"{where}: {h['steal'] * 100:.0f}% of CPU time stolen by the hypervisor")
+    if report.get("round_spread", 0) > SPREAD_WARN:
+        warn.append("rounds disagree: median interquartile range "
+                    f"{report['round_spread'] * 100:.0f}% of the median")
+    return warn
