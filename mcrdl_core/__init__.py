@@ -21,6 +21,7 @@ from .dispatch.selection import TuningTable
 from .dispatch.p2p import P2POp, batch_isend_irecv
 from .tools.stragglers import stale_ranks, stragglers
 from .engine.work import CompletedWork, Work
+from .observe.observer import Observer
 
 __version__ = "0.1.0"
 

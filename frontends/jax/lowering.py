@@ -61,11 +61,11 @@ def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, chec
     name) of a rooted op."""
     probe = _probe(x)
     rt, g, be, reduce_op = prepare(op, group, probe, backend, reduce_op, nbytes)
-    if rt.debug and check:
+    if rt.observed and check:
         sig = dict(reduce_op=reduce_op, root=None if root is None else g.group_rank(*root),
                    count=probe.numel, counts=counts, shape=None if counts else probe.shape,
                    role_name=_debug.current_role())
-        _debug.check(rt, g, op, be, probe, **sig)
+        rt.before(g, op, be, probe, **sig)
         _debug_at_run_time(rt, g, op, be, probe, sig)
     return g, be.name, reduce_op
 
@@ -78,7 +78,7 @@ def _debug_at_run_time(rt, g, op, be, probe, sig) -> None:
     n-th call of one rank meets the n-th call of the others, and a different op, shape
     or role (forward call against "backward of ...") is a MismatchError on every rank."""
     def check():
-        _debug.check(rt, g, op, be, probe, **sig)
+        rt.before(g, op, be, probe, **sig)
         return ()
 
     host_call(check, [], what=f"debug check of {op.value}")

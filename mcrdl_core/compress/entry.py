@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-from ..observe import debug as _debug
 from ..dispatch import validate as _v
 from ..base.ops import Op, ReduceOp
 from . import algorithms as _alg
@@ -48,9 +47,9 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
         p = lay = plan_all_to_all(cz, g.size, g.rank, *counts, dtype)
         be = ch.backend(Op.ALL_TO_ALL, ch.staging(1), sel_nbytes)
         spec, count = f"{codec.name}@a2a", None  # the splits are compared instead
-    if rt.debug:
-        _debug.check(rt, g, op, be, reads[0], reduce_op=reduce_op, count=count, counts=counts,
-                     compression=spec)
+    if rt.observed:
+        rt.before(g, op, be, reads[0], reduce_op=reduce_op, count=count, counts=counts,
+                  compression=spec)
     ch.claim_slot()
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     gen = gen_fn(ch, lay)
@@ -68,9 +67,8 @@ def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, the
     """Where auto keeps the backend's own collective: the core's usual path.
     ``counts``/``sel_nbytes``: an all-to-all's splits and selection size (``_issue``)."""
     be = rt.select(op, g, probe, backend, nbytes=sel_nbytes)
-    if rt.debug:
-        _debug.check(rt, g, op, be, probe, count=None if counts else probe.numel,
-                     counts=counts)
+    if rt.observed:
+        rt.before(g, op, be, probe, count=None if counts else probe.numel, counts=counts)
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     work = call(be)
     if then is not None:

@@ -17,7 +17,6 @@ from ..engine.work import ChainWork
 from ..memory import alloc
 from ..memory import cuda as _cuda
 from ..memory.buffer import Buffer, Device
-from ..observe import debug as _debug
 from ..world.backend import backend_class
 from . import fastpath as _fast
 from . import hooks as _hooks
@@ -143,8 +142,8 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
         return done
     rt, g, be, _ = prepare(Op.BROADCAST, group, buf, backend)
     root = g.group_rank(src, "src")
-    if rt.debug:
-        _debug.check(rt, g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
+    if rt.observed:
+        rt.before(g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.broadcast(g, buf, root), spans, async_op, buf.nbytes)
 
@@ -157,8 +156,8 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
         return done
     rt, g, be, op = prepare(Op.REDUCE, group, buf, backend, op)
     root = g.group_rank(dst, "dst")
-    if rt.debug:
-        _debug.check(rt, g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
+    if rt.observed:
+        rt.before(g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.reduce(g, buf, root, op), spans, async_op, buf.nbytes)
 
@@ -183,8 +182,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
     cz = _compression(compression, Op.ALL_REDUCE, rt, g, backend, buf, op)
     if cz is not None:
         return _compress().all_reduce(rt, g, buf, op, cz, backend, async_op)
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
+    if rt.observed:
+        rt.before(g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     spans = rt.order(writes=(buf,), keep=async_op)
     return rt.finish(be.all_reduce(g, buf, op), spans, async_op, buf.nbytes)
 
@@ -208,8 +207,8 @@ def _hierarchical(tensor, op, group, async_op, backend, compression):
     t, name = _hier_request("all_reduce", backend, compression)
     buf = _v.output(tensor, "tensor")
     rt, g, be, op = prepare(Op.ALL_REDUCE, group, buf, name, op)
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
+    if rt.observed:
+        rt.before(g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
     return t.all_reduce(rt, g, buf, op, backend, async_op)
 
 
@@ -229,8 +228,8 @@ def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, grou
     counts = _v.splits(None, inp, g.size, "input_split_sizes")
     _v.splits(None, out, g.size, "output_split_sizes")
     _v.numel(out, inp.numel, "output", "the input's element count")
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(counts, counts))
+    if rt.observed:
+        rt.before(g, Op.ALL_TO_ALL, be, inp, counts=(counts, counts))
     return t.all_to_all(rt, g, out, inp, backend, async_op)
 
 
@@ -249,8 +248,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
     if cz is not None:
         return _compress().all_gather(rt, g, out, inp, cz, backend, async_op)
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
+    if rt.observed:
+        rt.before(g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     return rt.finish(be.all_gather(g, out, inp), spans, async_op, out.nbytes)
 
@@ -272,8 +271,8 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     if cz is not None:
         return _compress().all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
                                 then=lambda: _scatter_into(tmp, outs))
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_GATHER, be, inp, count=inp.numel)
+    if rt.observed:
+        rt.before(g, Op.ALL_GATHER, be, inp, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
     work = be.all_gather(g, tmp, inp)
     work.add_finalizer(lambda: _scatter_into(tmp, outs))
@@ -295,8 +294,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
     if cz is not None:
         return _compress().reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
-    if rt.debug:
-        _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
+    if rt.observed:
+        rt.before(g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     return rt.finish(be.reduce_scatter(g, out, inp, op), spans, async_op, inp.nbytes)
 
@@ -317,8 +316,8 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
         rt.order(reads=ins, writes=(out,), keep=False)  # before the inputs are read
         tmp = _concat(ins, g.size * out.numel)
         return _compress().reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
-    if rt.debug:
-        _debug.check(rt, g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
+    if rt.observed:
+        rt.before(g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)
     tmp = _concat(ins, g.size * out.numel)
     return rt.finish(be.reduce_scatter(g, out, tmp, op), spans, async_op, tmp.nbytes)
@@ -352,8 +351,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if cz is not None:
         return _compress().all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend,
                                          async_op, nbytes)
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
+    if rt.observed:
+        rt.before(g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
     spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     form_even = not output_split_sizes and not input_split_sizes
     return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts, form_even), spans,
@@ -386,8 +385,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         return _compress().all_to_all(rt, g, tmp_out, tmp_in, out_counts, in_counts, cz,
                                          backend, async_op, nbytes, writes=outs,
                                          then=lambda: _scatter_into(tmp_out, outs))
-    if rt.debug:
-        _debug.check(rt, g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
+    if rt.observed:
+        rt.before(g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
     spans = rt.order(reads=ins, writes=outs, keep=async_op)
     tmp_in = _concat(ins, sum(in_counts))
     tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
@@ -411,8 +410,8 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
         _v.same_kind(outs + [inp], "gather")
         for i, o in enumerate(outs):
             _v.numel(o, inp.numel, f"gather_list[{i}]", "each must match the input tensor")
-    if rt.debug:
-        _debug.check(rt, g, Op.GATHER, be, inp, root=root, count=inp.numel)
+    if rt.observed:
+        rt.before(g, Op.GATHER, be, inp, root=root, count=inp.numel)
     spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
     tmp = (alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
            if outs else None)
@@ -437,8 +436,8 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
         _v.same_kind(ins + [out], "scatter")
         for i, b in enumerate(ins):
             _v.numel(b, out.numel, f"scatter_list[{i}]", "each must match the output tensor")
-    if rt.debug:
-        _debug.check(rt, g, Op.SCATTER, be, out, root=root, count=out.numel)
+    if rt.observed:
+        rt.before(g, Op.SCATTER, be, out, root=root, count=out.numel)
     spans = rt.order(reads=ins, writes=(out,), keep=async_op)
     if ins:
         tmp = _concat(ins, g.size * out.numel)
@@ -484,8 +483,8 @@ def barrier(group=None, async_op: bool = False, backend=None):
         if done is not _fast.MISS:
             return done
     rt, g, be, _ = prepare(Op.BARRIER, group, probe, backend)
-    if rt.debug:
-        _debug.check(rt, g, Op.BARRIER, be, probe)
+    if rt.observed:
+        rt.before(g, Op.BARRIER, be, probe)
     prior = [w for w in rt.engine.inflight if w.group is g and w.op not in _P2P]
     return rt.finish(_after(be.barrier(g), prior), [], async_op, 0)
 

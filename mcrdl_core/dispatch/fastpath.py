@@ -129,7 +129,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     ``owner`` is what keeps the memory alive while an async call is in flight. Without
     ``buf`` (the Buffer entry's), a key not memoized yet is a MISS: the caller's general
     path then checks the call and fills the memo."""
-    if rt.debug or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
+    if rt.observed or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
         return MISS
     g = rt.group(group)  # liveness and broken-group checks, every call
     if rt.table is not None and backend in (None, "auto") and g.backend is None:
@@ -302,7 +302,7 @@ def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op
               buf):
     """A rooted in-place op (broadcast, reduce) of ``count`` elements at ``ptr``; ``root``
     is a global rank (``what`` names the argument in errors)."""
-    if rt.debug:
+    if rt.observed:
         return MISS
     g = rt.group(group)
     root = g.group_rank(root, what)
@@ -337,7 +337,7 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
     """all_gather (``gathers``: the small block is the input) or reduce_scatter (the
     small block is the output) of one block per rank: ``big_count`` = group size x
     ``small_count``, the two apart in memory."""
-    if rt.debug or _ENV.get(_COMPRESSION):
+    if rt.observed or _ENV.get(_COMPRESSION):
         return MISS
     g = rt.group(group)
     isz = dtype.itemsize
@@ -392,7 +392,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                out_splits, in_splits, group, async_op, backend, buf=None):
     """``all_to_all_single``: even (no split sizes: one ``MPI_Ialltoall``) or by split
     sizes along dim 0 (``MPI_Ialltoallv``); ``*_rows`` are the tensors' dim 0."""
-    if rt.debug or _ENV.get(_COMPRESSION):
+    if rt.observed or _ENV.get(_COMPRESSION):
         return MISS
     g = rt.group(group)
     n = g.size
@@ -427,7 +427,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
 
 
 def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=None):
-    if rt.debug:
+    if rt.observed:
         return MISS
     g = rt.group(group)
     peer = g.group_rank(dst, "dst")
@@ -442,7 +442,7 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
 
 def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=None):
     """Blocking: the sender's global rank; async: the Work (its ``result()`` is that)."""
-    if rt.debug:
+    if rt.observed:
         return MISS
     g = rt.group(group)
     peer = None if src is None else g.group_rank(src, "src")
@@ -463,7 +463,7 @@ def barrier(rt, group, async_op, backend, probe):
     """A barrier with nothing in flight on this rank (else MISS: the general path makes
     it wait for the group's earlier collectives). ``probe``: the general path's probe
     buffer, which the first call of a key selects with."""
-    if rt.debug or rt.engine.inflight:
+    if rt.observed or rt.engine.inflight:
         return MISS
     g = rt.group(group)
     plan = _lookup(rt, _T[Op.BARRIER], g, None, backend, None, 0, probe,

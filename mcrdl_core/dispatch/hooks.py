@@ -1,4 +1,5 @@
-"""Transforms of the call pipeline, registered by name and loaded on first use.
+"""Transforms and observers of the call pipeline, registered by name and loaded on
+first use.
 
 A transform takes over the calls it applies to instead of the backend's own collective:
 the compressed variants (``compression``: ``mcrdl_core.compress.entry:TRANSFORM``) and
@@ -10,6 +11,7 @@ allows compression never loads that package. ``register_transform`` replaces one
 """
 from __future__ import annotations
 
+from ..base.errors import InvalidArgumentError
 from ..world.backend import load_attr
 
 #: name -> "module:attribute" of the transform object (or the object once loaded)
@@ -29,4 +31,28 @@ def transform(name: str):
     target = TRANSFORMS[name]
     if isinstance(target, str):
         target = TRANSFORMS[name] = load_attr(target)
+    return target
+
+
+#: name -> "module:attribute" of an observer (``observe/observer.py``), or the object
+OBSERVERS: dict[str, object] = {
+    "debug": "mcrdl_core.observe.debug:OBSERVER",
+}
+
+
+def register_observer(name: str, target) -> None:
+    """Register an observer (or a "module:attribute" string) under ``name``, for
+    ``Runtime.watch(name)``."""
+    OBSERVERS[name] = target
+
+
+def observer(name: str):
+    """The observer registered as ``name``, imported at its first use and kept."""
+    try:
+        target = OBSERVERS[name]
+    except KeyError:
+        raise InvalidArgumentError(f"no observer is registered as {name!r}: known are "
+                                   f"{sorted(OBSERVERS)} (hooks.register_observer adds one)")
+    if isinstance(target, str):
+        target = OBSERVERS[name] = load_attr(target)
     return target

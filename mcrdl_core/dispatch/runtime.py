@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import logging
 
-from ..world import bootstrap as _bootstrap
 from ..base import config as _config
-from ..engine import faults as _faults
-from ..world.backend import backend_class
-from ..base.dtypes import dtype_class
 from ..base.errors import (BackendUnavailableError, BrokenGroupError, CommFailedError,
-                           InvalidArgumentError, NotInitializedError, UnsupportedError)
-from ..world.group import Group
-from ..observe.logger import logger as comm_logger
+                           InvalidArgumentError, NotInitializedError)
+from ..engine import faults as _faults
 from ..engine.progress import engine as _engine
-from .selection import POLICY, TuningTable, parse_override, table_from_env
-from ..world.backend import REGISTRY
+from ..observe.logger import logger as comm_logger
+from ..world import bootstrap as _bootstrap
+from ..world.backend import REGISTRY, backend_class
+from ..world.group import Group
+from . import hooks as _hooks
+from . import selection as _selection
+from .selection import TuningTable, parse_override, table_from_env
 
 log = logging.getLogger("mcrdl.runtime")
 
@@ -50,6 +50,11 @@ class Runtime:
         self.world_size = self.bootstrap.size
         self.engine.rank = self.rank
         self.engine.configure(getattr(self.bootstrap, "local_size", 1))
+        # observers (observe/observer.py) by name; ``observed``: calls take the general
+        # path, which calls them (the fast path checks this one flag)
+        self._watching: dict = {}
+        self.observers: tuple = ()
+        self.observed = False
         self.debug = _config.get("MCRDL_DEBUG") if debug is None else debug
         self.override = parse_override(_config.get("MCRDL_BACKEND"))
         if isinstance(table, str):
@@ -66,6 +71,41 @@ class Runtime:
         self.alive = True
         self._unusable = None  # why calls are refused: destroyed (see check_alive)
         self.connect(self.world)
+
+    # --- observers ----------------------------------------------------------------------
+    def watch(self, observer, name: str | None = None) -> None:
+        """Add an observer: an ``Observer`` (``name``: how to remove it; default its
+        class's name) or the name of a registered one (``hooks.register_observer``;
+        "debug" is the debug checks). Every rank adds the same observers: ``before``
+        runs where a collective's ranks meet."""
+        if isinstance(observer, str):
+            name, observer = observer, _hooks.observer(observer)
+        self._watching[name or type(observer).__name__] = observer
+        self.observers = tuple(self._watching.values())
+        self.observed = True
+
+    def unwatch(self, name: str) -> None:
+        """Remove the observer added as ``name`` (nothing if there is none)."""
+        self._watching.pop(name, None)
+        self.observers = tuple(self._watching.values())
+        self.observed = bool(self.observers)
+
+    @property
+    def debug(self) -> bool:
+        """Whether the debug checks (MCRDL_DEBUG) watch the calls; settable."""
+        return "debug" in self._watching
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        if on:
+            self.watch("debug")
+        else:
+            self.unwatch("debug")
+
+    def before(self, group, op, backend, buf, **signature) -> None:
+        """Show a collective about to run to every observer (they may refuse it)."""
+        for o in self.observers:
+            o.before(self, group, op, backend, buf, **signature)
 
     # --- backends -----------------------------------------------------------------------
     def unavailable_reason(self, name: str) -> str | None:
@@ -126,7 +166,8 @@ class Runtime:
 
     def select(self, op, group: Group, buf, backend: str | None, reduce_op=None,
                nbytes: int | None = -1):
-        """The Backend instance for one call (explicit > MCRDL_BACKEND > table > policy)."""
+        """The Backend instance for one call (explicit > MCRDL_BACKEND > table > policy),
+        memoized here; ``selection.decide`` makes each new choice."""
         if nbytes == -1:
             nbytes = buf.nbytes
         if backend is None:
@@ -141,38 +182,11 @@ class Runtime:
         be = self.choices.get(key)
         if be is not None:
             return be
-        name = self.named_backend(op, group, backend)
-        if name is not None:
-            be = self.backend(name)
-            reason = be.unsupported_reason(op, device, dtype, reduce_op)
-            if reason:
-                raise UnsupportedError(f"{reason}. Backends that can: "
-                                       f"{self._capable(op, device, dtype, reduce_op)}")
-        else:
-            if self.table is not None:
-                hit = self.table.lookup(op.value, group.size, device.kind, dtype_class(dtype),
-                                        nbytes, self.bootstrap.hosts_in(group.ranks))
-                if hit is not None and self.unavailable_reason(hit) is None:
-                    cand = self.backend(hit)
-                    if cand.unsupported_reason(op, device, dtype, reduce_op) is None:
-                        be = cand
-            if be is None:
-                capable = self._capable(op, device, dtype, reduce_op)
-                if not capable:
-                    raise UnsupportedError(
-                        f"no available backend can do {op} on {dtype.name} {device.kind} buffers"
-                        f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
-                        f"{self.available_backends()}")
-                be = self.backend(capable[0])
+        be = _selection.decide(self, op, group, device, dtype, reduce_op, backend, nbytes)
         if len(self.choices) > 65536:
             self.choices.clear()
         self.choices[key] = be
         return be
-
-    def _capable(self, op, device, dtype, reduce_op) -> list:
-        names = [n for n in POLICY.get(device.kind, ()) if self.unavailable_reason(n) is None]
-        return [n for n in names
-                if self.backend(n).unsupported_reason(op, device, dtype, reduce_op) is None]
 
     # --- groups -------------------------------------------------------------------------
     def new_group(self, ranks=None, name: str | None = None, backend: str | None = None,
@@ -264,6 +278,9 @@ class Runtime:
         """Register the work; return it (async) or wait for it (blocking). ``nbytes`` is
         the call's size S for the comm logger (nccl-tests convention)."""
         work.spans = spans
+        if self.observed:
+            for o in self.observers:
+                o.after(self, work, nbytes)
         if self.logger.enabled:
             work.add_finalizer(self.logger.start(work.op.value, nbytes, work.backend,
                                                  work.group.size if work.group else 1))

@@ -1,4 +1,5 @@
-"""Which backend runs a call: explicit argument > MCRDL_BACKEND > tuning table > policy.
+"""Which backend runs a call (``decide``): explicit argument > MCRDL_BACKEND > tuning table
+> policy; and the tuning tables it reads.
 
 Tuning table (JSON, never pickle)::
 
@@ -80,7 +81,8 @@ import socket
 from importlib import metadata
 
 from ..base import config as _config
-from ..base.errors import TableError
+from ..base.dtypes import dtype_class
+from ..base.errors import TableError, UnsupportedError
 
 log = logging.getLogger("mcrdl.selection")
 
@@ -88,6 +90,42 @@ SCHEMA = "mcrdl.tuning/2"
 SCHEMA_V1 = "mcrdl.tuning/1"  # read (entries without "hosts": one host), never written
 POLICY = {"cuda": ("nccl", "mpi", "gloo"), "cpu": ("mpi", "gloo")}
 VERDICTS = ("ok", "lost", "unsure")
+
+
+def decide(rt, op, group, device, dtype, reduce_op, backend, nbytes):
+    """The Backend instance of ``rt`` for a call: the one the user named (refused with
+    the backends that can, where it cannot run the call), else the tuning table's for
+    this op, group, dtype class and size where it can, else the first of the policy
+    that can. ``Runtime.select`` memoizes what this returns."""
+    name = rt.named_backend(op, group, backend)
+    if name is not None:
+        be = rt.backend(name)
+        reason = be.unsupported_reason(op, device, dtype, reduce_op)
+        if reason:
+            raise UnsupportedError(f"{reason}. Backends that can: "
+                                   f"{capable(rt, op, device, dtype, reduce_op)}")
+        return be
+    if rt.table is not None:
+        hit = rt.table.lookup(op.value, group.size, device.kind, dtype_class(dtype), nbytes,
+                              rt.bootstrap.hosts_in(group.ranks))
+        if hit is not None and rt.unavailable_reason(hit) is None:
+            cand = rt.backend(hit)
+            if cand.unsupported_reason(op, device, dtype, reduce_op) is None:
+                return cand
+    names = capable(rt, op, device, dtype, reduce_op)
+    if not names:
+        raise UnsupportedError(
+            f"no available backend can do {op} on {dtype.name} {device.kind} buffers"
+            f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
+            f"{rt.available_backends()}")
+    return rt.backend(names[0])
+
+
+def capable(rt, op, device, dtype, reduce_op) -> list:
+    """The available backends of the policy, in its order, that can run the call."""
+    names = [n for n in POLICY.get(device.kind, ()) if rt.unavailable_reason(n) is None]
+    return [n for n in names
+            if rt.backend(n).unsupported_reason(op, device, dtype, reduce_op) is None]
 
 
 def fmt_bytes(b) -> str:

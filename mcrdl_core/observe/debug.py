@@ -29,6 +29,7 @@ from ..world.backend import REGISTRY
 from ..memory.buffer import Buffer
 from ..base.errors import MismatchError
 from ..base.ops import Op, ReduceOp
+from .observer import Observer
 
 _OPS = list(Op)
 _REDUCE = list(ReduceOp)
@@ -176,3 +177,14 @@ def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None,
         raise MismatchError(f"mcrdl debug: {op} on {group.describe()} called inconsistently: "
                             + "; ".join(problems[:8]) + ". Make every rank pass the same "
                             "shape, dtype, root and backend." + hint)
+
+
+class DebugChecks(Observer):
+    """The debug checks as an observer: ``check`` before every collective."""
+
+    def before(self, rt, group, op, backend, buf, **signature) -> None:
+        check(rt, group, op, backend, buf, **signature)
+
+
+#: what ``hooks.observer("debug")`` hands the runtime (MCRDL_DEBUG=1, ``rt.debug = True``)
+OBSERVER = DebugChecks()
