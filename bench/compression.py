@@ -1,11 +1,13 @@
-"""Compression-assisted all-gather and reduce-scatter against the backend's own collective.
+"""Compression-assisted all-gather, reduce-scatter and all-to-all against the backend's own
+collective.
 
 Run: mpiexec -n 2 .venv/bin/python bench/compression.py [--backend mpi] [--ops all_gather,reduce_scatter]
          [--min-bytes 64K] [--max-bytes 64M] [--codecs fp16,bf16,int8,int4,zfp:16]
          [--zfp-max-bytes 4M] [--rounds 5] [--label 1host] [--out bench/out]
 
-Sizes are bytes of float32 data per rank (N(0,1) values, seeded by rank). Columns, per
-op and size:
+Sizes are bytes of float32 data per rank (N(0,1) values, seeded by rank; all_to_all:
+what each rank sends in all, in equal blocks per destination). Columns, per op and size
+(all_to_all: the backend's own and a2a:CODEC only):
 
   BACKEND         the backend's own collective (compression=None): the baseline
   ring            the uncompressed ring of mcrdl_core.compress (same code, codec "none")
@@ -13,6 +15,7 @@ op and size:
   ring:CODEC      collective-level compression (encode once / re-encode partial sums)
   a2a:CODEC       one backend all-gather (qwZ) or all-to-all (qgZ) of the encoded bytes
   auto:CODECS     compression allowed, the variant chosen by mcrdl_core.compress.auto
+  BACKEND A/A     (--aa) the baseline again: its distance from 1.00 is the noise
 
 Timing: bench/timing.py's interleaved_batches: each round runs one batch of every
 column in a Williams order, an MPI barrier before each batch; a batch's figure is its
@@ -67,6 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--algorithms", default="p2p,ring,a2a")
     ap.add_argument("--extra", default="",
                     help="more columns ALGORITHM:CODEC, e.g. ring:bf16,ring:zfp:16")
+    ap.add_argument("--aa", action="store_true",
+                    help="also time the baseline a second time (column 'BACKEND A/A'): the noise")
     ap.add_argument("--auto", default="fp16+int8",
                     help="codecs allowed to the auto column ('' for no auto column)")
     ap.add_argument("--zfp-max-bytes", type=parse_bytes, default=4 << 20,
@@ -81,19 +86,28 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def columns(args, nbytes: int) -> dict:
-    """column name -> Compression (None: the backend's own collective)."""
-    cols = {args.backend: None, "ring": Compression("none", "ring")}
+def columns(args, nbytes: int, op: str = "all_gather") -> dict:
+    """column name -> Compression (None: the backend's own collective). all_to_all has
+    one algorithm, a2a (ring and p2p columns are left out for it)."""
+    a2a_only = op == "all_to_all"
+    cols = {args.backend: None}
+    if args.aa:
+        cols[f"{args.backend} A/A"] = None
+    if not a2a_only:
+        cols["ring"] = Compression("none", "ring")
+    algorithms = ["a2a"] if a2a_only else [a for a in args.algorithms.split(",") if a]
     for codec in [c for c in args.codecs.split(",") if c]:
         if codec.startswith("zfp") and nbytes > args.zfp_max_bytes:
             continue
-        for algo in [a for a in args.algorithms.split(",") if a]:
+        for algo in algorithms:
             cols[f"{algo}:{codec}"] = Compression(codec, algo)
     for col in [c for c in args.extra.split(",") if c]:
         algo, _, codec = col.partition(":")
+        if a2a_only and algo != "a2a":
+            continue
         if not (codec.startswith("zfp") and nbytes > args.zfp_max_bytes):
             cols[col] = Compression(codec, algo)
-    if args.auto:
+    if args.auto and not a2a_only:
         cols[f"auto:{args.auto}"] = "auto:" + args.auto
     return cols
 
@@ -103,10 +117,18 @@ def make_call(op: str, backend: str, cz, n: int, x, out):
         return lambda: mc.all_gather_into_tensor(out, x, backend=backend, compression=cz)
     if op == "reduce_scatter":
         return lambda: mc.reduce_scatter_tensor(out, x, backend=backend, compression=cz)
-    raise SystemExit(f"unknown op {op!r}: use all_gather, reduce_scatter")
+    if op == "all_to_all":
+        return lambda: mc.all_to_all_single(out, x, backend=backend, compression=cz)
+    raise SystemExit(f"unknown op {op!r}: use all_gather, reduce_scatter, all_to_all")
 
 
 def buffers(op: str, n: int, size: int, rank: int):
+    """(input, output) of one call: ``n`` float32 values per rank in (all-gather), per
+    rank out (reduce-scatter), or per rank in and out, in ``size`` equal blocks
+    (all-to-all: ``n`` rounded down to a multiple of ``size``)."""
+    if op == "all_to_all":
+        x = np.random.default_rng(rank).standard_normal(n - n % size).astype(np.float32)
+        return x, np.empty_like(x)
     x = np.random.default_rng(rank).standard_normal(n * (size if op == "reduce_scatter" else 1))
     x = x.astype(np.float32)
     out = np.empty(n * size if op == "all_gather" else n, np.float32)
@@ -121,7 +143,7 @@ def measure(args, op: str, nbytes: int):
     rank, size = COMM.Get_rank(), COMM.Get_size()
     n = nbytes // 4
     x, _ = buffers(op, n, size, rank)
-    cols = columns(args, nbytes)
+    cols = columns(args, nbytes, op)
     outs = {name: np.empty_like(buffers(op, n, size, rank)[1]) for name in cols}
     calls = {name: make_call(op, args.backend, cz, n, x, outs[name]) for name, cz in cols.items()}
     ref = outs[args.backend]

@@ -138,6 +138,51 @@ def test_bf16_rounds_like_ml_dtypes():
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp16:256"])
+def test_16_bit_codecs_give_the_same_bits_with_or_without_torch(monkeypatch, name):
+    """The 16-bit codecs cast through torch when torch is loaded and through NumPy
+    otherwise: the same encoded bytes and decoded values either way (bf16's are
+    ml_dtypes' own; a NaN decodes as a NaN), NaN of both signs, infinities, subnormals, values that round up to
+    inf, blocks far from 1, and 0/1 elements included."""
+    import sys
+
+    import torch  # noqa: F401  (loaded; hidden from the codecs for the NumPy path)
+    from mcrdl_core.compress import codecs
+
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, -1e-42,
+                        0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8], np.float32)
+    finite = special[4:]
+    cases = [np.concatenate([gaussian(3000), finite]), gaussian(2048) * 1e30,
+             gaussian(1500) * 1e-30, special[:1], special[:0]]
+    if name == "bf16":
+        cases.append(np.concatenate([gaussian(1000), special]))
+    codec = make_codec(name)
+
+    def run(x):
+        enc = np.zeros(codec.encoded_nbytes(x.size), np.uint8)
+        codec.encode(x, enc)
+        out = np.empty_like(x)
+        codec.decode(enc, out)
+        return enc, out
+
+    for x in cases:
+        with_torch = run(x)
+        if x.size:
+            assert codecs._bf16_cast(np.empty(x.size, np.uint16), x)  # the torch path ran
+        with monkeypatch.context() as m:
+            m.delitem(sys.modules, "torch")
+            assert not codecs._bf16_cast(np.empty(x.size, np.uint16), x)
+            without = run(x)
+        assert np.array_equal(with_torch[0], without[0])
+        nan = np.isnan(without[1])  # a NaN decodes as a NaN (its payload may differ)
+        assert np.array_equal(np.isnan(with_torch[1]), nan)
+        assert np.array_equal(with_torch[1][~nan].view(np.uint32), without[1][~nan].view(np.uint32))
+        if name == "bf16":
+            ref = x.astype(ml_dtypes.bfloat16)
+            assert np.array_equal(with_torch[1].view(np.uint32),
+                                  ref.astype(np.float32).view(np.uint32))
+
+
 def test_fp16_scale_avoids_overflow_and_keeps_small_blocks():
     codec = make_codec("fp16:256")
     x = np.concatenate([gaussian(256) * 1e30, gaussian(256) * 1e-30, gaussian(256)])

@@ -295,7 +295,8 @@ class BF16(_Blocked):
         bits = payload.view(np.uint16).reshape(x2.shape)
         if x2.dtype.itemsize <= 4:  # float32: the plain cast, no scale
             words[...] = 0
-            bits[...] = bf16_bits(x2, xp)
+            if not _bf16_cast(bits, x2):
+                bits[...] = bf16_bits(x2, xp)
             return
         k = _pow2_exponents(x2, self.TOP, xp)
         words.view(np.int32)[...] = k
@@ -304,10 +305,12 @@ class BF16(_Blocked):
     def _decode_rows(self, words, payload, out2) -> None:
         xp = _xp(out2)
         k = words.view(np.int32)
-        v = bf16_values(payload.view(np.uint16).reshape(out2.shape), xp, out2.dtype)
+        bits = payload.view(np.uint16).reshape(out2.shape)
         if not bool(k.any()):
-            out2[...] = v
+            if not _bf16_cast(out2, bits):
+                out2[...] = bf16_values(bits, xp, out2.dtype)
             return
+        v = bf16_values(bits, xp, out2.dtype)
         scale, slow = _row_factor(xp.ones(k.shape), k, out2.dtype, xp, 0, 1 + self.TOP)
         xp.multiply(v, scale[:, None], out=out2)
         if bool(slow.any()):
@@ -320,7 +323,7 @@ class FP16(_Blocked):
     loss to float16's subnormals whatever the range (float32's or float64's), and the
     power of two adds no rounding of its own. A block maximum that float16 rounds up to
     2^e beyond the dtype's range (within 2^-12 of float32's largest value) decodes as
-    that largest value, not inf. Host casts go through ``_half``."""
+    that largest value, not inf. Host casts go through ``_half_scaled``."""
 
     kind = "fp16"
     TOP = 15
@@ -339,7 +342,7 @@ class FP16(_Blocked):
         words.view(np.int32)[...] = k
         h = payload.view(np.float16).reshape(x2.shape)
         inv, slow = _row_factor(xp.ones(k.shape), -k, x2.dtype, xp, 0, 1)
-        if not _half(h, x2 * inv[:, None]):
+        if not _half_scaled(h, x2, inv):
             xp.multiply(x2, inv[:, None], out=h, casting="unsafe")
         if bool(slow.any()):
             h[slow] = xp.ldexp(x2[slow], -k[slow][:, None])
@@ -349,26 +352,57 @@ class FP16(_Blocked):
         k = words.view(np.int32)
         h = payload.view(np.float16).reshape(out2.shape)
         scale, slow = _row_factor(xp.ones(k.shape), k, out2.dtype, xp, 0, 1 + self.TOP)
-        if _half(out2, h):
-            out2 *= scale[:, None]
-        else:
+        if not _half_scaled(out2, h, scale):
             xp.multiply(h, scale[:, None], out=out2)
         if bool(slow.any()):
             _pow2_up_slow(h, k, self.TOP, out2, slow, xp)
 
 
-def _half(dst, src) -> bool:
-    """dst[...] = src between float32 and float16 host arrays through torch's vectorised
-    conversion, when torch is already loaded in this process (the core never imports it):
-    NumPy's float16 casts run ~10x slower here (16 MiB: 15 ms vs 1.3 ms of CPU). Both
-    round to nearest even, so the bits are the same either way. False: not done."""
+def _bf16_cast(dst, src) -> bool:
+    """Between float32 values and bfloat16 bit patterns (uint16) of host arrays, either
+    way, through torch's vectorised conversion when torch is already loaded (as
+    ``_half_scaled``): 16 MiB of float32 encode in ~0.7 ms instead of ~27 ms of NumPy bit
+    arithmetic. Both round to nearest even, so finite values get the same bits; torch
+    writes every NaN as one pattern, so the NaNs of an encode (if any) are redone with
+    ``bf16_bits``, which keeps their sign as ml_dtypes does. False: not done."""
     torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(dst, np.ndarray) or not src.flags.writeable
-            or not (dst.flags.c_contiguous and src.flags.c_contiguous)
-            or {dst.dtype, src.dtype} != {np.dtype(np.float16), np.dtype(np.float32)}):
+    if (torch is None or not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray)
+            or not (dst.flags.c_contiguous and src.flags.c_contiguous and src.flags.writeable)):
         return False
-    torch.from_numpy(dst).copy_(torch.from_numpy(src))
-    return True
+    if dst.dtype == np.uint16 and src.dtype == np.float32:
+        torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).copy_(torch.from_numpy(src))
+        nan = np.isnan(src)
+        if nan.any():
+            dst[nan] = bf16_bits(src[nan], np)
+        return True
+    if dst.dtype == np.float32 and src.dtype == np.uint16:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
+        return True
+    return False
+
+
+def _half_scaled(dst, src, factor) -> bool:
+    """dst[...] = src * factor[:, None] between float32 and float16 host arrays, rows
+    scaled by a power of two (exact: the cast is the one rounding), through torch's
+    vectorised kernels when torch is already loaded in this process (the core never
+    imports it): NumPy's float16 casts run ~10x slower here. Encoding multiplies in
+    float32 and casts; decoding casts (exact) and multiplies in place: each a same-dtype
+    kernel, which torch runs 2-3x faster than one mixed-dtype multiply. A 4 MiB block
+    encodes in ~0.5 ms instead of ~1.4, and decodes in ~0.2 ms instead of ~0.6. Both
+    round to nearest even, so the bits are NumPy's. False: not done."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray)
+            or not (dst.flags.c_contiguous and src.flags.c_contiguous and src.flags.writeable)
+            or factor.dtype != np.float32):
+        return False
+    f = torch.from_numpy(factor)[:, None]
+    if dst.dtype == np.float16 and src.dtype == np.float32:
+        torch.from_numpy(dst).copy_(torch.mul(torch.from_numpy(src), f))
+        return True
+    if dst.dtype == np.float32 and src.dtype == np.float16:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src)).mul_(f)
+        return True
+    return False
 
 
 # --- int8 / int4 scale words -------------------------------------------------------------
