@@ -3,6 +3,8 @@ MCR-DL's registered backend, one host, samples per second and communication shar
 
     .venv/bin/python bench/apps/table.py --ranks 2 3 [--steps 15] [--repeats 3] [--tune]
     sudo .venv/bin/python bench/apps/table.py --ranks 4 --cluster 1gbit --hosts 2 --tune
+    .venv/bin/python bench/apps/table.py --quick          # a few minutes, one host
+    sudo .venv/bin/python bench/apps/table.py --all       # the whole table (about 2 h)
 
 Per app and rank count it launches (``mpiexec -n N``, the programs unchanged but for
 ``init_process_group(backend, pg_options=...)``):
@@ -10,20 +12,22 @@ Per app and rank count it launches (``mpiexec -n N``, the programs unchanged but
 - ``gloo (torch)``: ``init_process_group("gloo")``, the CPU PyTorch user's baseline;
 - ``mcrdl: mpi`` / ``mcrdl: gloo``: every op forced to one library (``pg_options``);
 - ``mcrdl: tuned``: no choice given; the tuning table decides per op and size (lossless);
-- ``mcrdl: tuned + a2a fp16``: the same table, and the job allows fp16 on its
-  all-to-alls (``MCRDL_COMPRESSION=all_to_all=auto:fp16``): the table's compressed
-  all-to-all measurements decide where it pays;
+- ``mcrdl: tuned + a2a fp16+bf16``: the same table, and the job allows the codecs of
+  ``--codecs`` on its all-to-alls (``MCRDL_COMPRESSION=all_to_all=auto:fp16+bf16``): the
+  table's compressed all-to-all measurements decide where (and which) pays;
 - ``mcrdl: mpi (A/A)``: forced MPI again, the noise floor;
 - with ``--mixed``: all_to_all on one library, all_reduce on the other (both ways).
 
 With ``--tune`` the table is measured first (``mcrdl tune`` on all_reduce and all_to_all
-at the apps' message sizes, the fp16 all-to-all as a candidate, on the same ranks), into
+at the apps' message sizes, the compressed all-to-alls as candidates, on the same ranks), into
 bench/out/apps_tuning*.json. ``--cluster RATE --hosts H`` runs everything on the
 emulated cluster (H hosts, N/H ranks each).
 
 Every variant's losses are compared with the Gloo baseline's (the same seeds: they
-differ only by the order of reductions). Runs are repeated ``--repeats`` times in
-rotated order and the median samples/s is reported (this machine is shared: noisy).
+differ only by the order of reductions). ``--loss-steps N`` also runs each variant once
+for N steps and reports its final loss against forced MPI's (uncompressed). Runs are
+repeated ``--repeats`` times in rotated order and the median samples/s is reported (this
+machine is shared: noisy).
 Writes bench/out/apps_table.json and prints a Markdown table.
 """
 from __future__ import annotations
@@ -42,15 +46,23 @@ ROOT = HERE.parent.parent
 OUT = ROOT / "bench" / "out"
 BIN = Path(sys.executable).parent
 
-#: (name, torch backend, pg_options, extra environment, uses the tuning table)
-CODECS = "fp16"  # what the "tuned + codecs" variant allows, on all_to_all only
-VARIANTS = [("gloo (torch)", "gloo", None, {}, False),
+CODECS = "fp16,bf16"  # default of --codecs: what "tuned + codecs" allows, on all_to_all
+#: the run the others' losses are compared with: uncompressed
+REFERENCE = "mcrdl: mpi"
+
+
+def variants(codecs: str) -> list:
+    """(name, torch backend, pg_options, extra environment, uses the tuning table)."""
+    allowed = "+".join(c for c in codecs.split(",") if c)
+    return [("gloo (torch)", "gloo", None, {}, False),
             ("mcrdl: mpi", "mcrdl", "mpi", {}, False),
             ("mcrdl: gloo", "mcrdl", "gloo", {}, False),
             ("mcrdl: tuned", "mcrdl", "", {}, True),
-            (f"mcrdl: tuned + a2a {CODECS}", "mcrdl", "",
-             {"MCRDL_COMPRESSION": f"all_to_all=auto:{CODECS}"}, True),
+            (f"mcrdl: tuned + a2a {allowed}", "mcrdl", "",
+             {"MCRDL_COMPRESSION": f"all_to_all=auto:{allowed}"}, True),
             ("mcrdl: mpi (A/A)", "mcrdl", "mpi", {}, False)]
+
+
 MIXED = [("mcrdl: a2a mpi, ar gloo", "mcrdl", "all_to_all=mpi,all_reduce=gloo", {}, False),
          ("mcrdl: a2a gloo, ar mpi", "mcrdl", "all_to_all=gloo,all_reduce=mpi", {}, False)]
 
@@ -85,12 +97,13 @@ def launcher(n: int, cluster: str | None, hosts: int = 2) -> list:
             str(n // hosts), "--rate", cluster, "--"]
 
 
-def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2) -> None:
+def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2,
+         codecs: str = CODECS) -> None:
     """all_reduce and all_to_all at the apps' sizes, the compressed all-to-all of
-    ``CODECS`` measured as a candidate (for the "tuned + codecs" variant)."""
+    ``codecs`` measured as candidates (for the "tuned + codecs" variant)."""
     cmd = launcher(n, cluster, hosts) + [str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
            "all_to_all", "--sizes", "4", "4K", "64K", "256K", "1M", "2M", "4M",
-           "--compression", CODECS, "--output", str(path)]
+           "--compression", codecs, "--output", str(path)]
     print("tuning:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=_env(str(path)), cwd=ROOT, timeout=1200,
                    stdout=subprocess.DEVNULL)
@@ -117,7 +130,12 @@ def launch(app: str, n: int, variant, steps: int, table: str | None,
     return json.loads(out.read_text())
 
 
-def main():
+#: what --all runs: (cluster rate or None for one host, hosts, ranks)
+ALL = [(None, 1, [2, 3]), ("1gbit", 2, [4]), ("1gbit", 4, [4]), ("10gbit", 2, [4]),
+       ("10gbit", 4, [4])]
+
+
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     p.add_argument("--apps", nargs="+", default=["dlrm", "moe"])
@@ -134,56 +152,101 @@ def main():
     p.add_argument("--mixed", action="store_true",
                    help="also the two per-op mixes (all_to_all on one library, all_reduce "
                         "on the other)")
-    a = p.parse_args()
-    variants = VARIANTS + (MIXED if a.mixed else [])
-    where = f"{a.hosts}x{{n}} {a.cluster}" if a.cluster else "one host"
-    if a.table is None:
-        a.table = str(OUT / (f"apps_tuning_cluster_{a.cluster}_{a.hosts}h.json" if a.cluster
-                             else "apps_tuning.json"))
-    OUT.mkdir(parents=True, exist_ok=True)
-    table = Path(a.table)
-    if a.tune:
-        for n in a.ranks:
-            tune(n, table, a.cluster, a.hosts)
+    p.add_argument("--codecs", default=CODECS,
+                   help="codecs the 'tuned + a2a' variant allows on all_to_all, measured by "
+                        f"the tune as candidates (default {CODECS})")
+    p.add_argument("--loss-steps", type=int, default=0, metavar="N",
+                   help="also run each variant once for N steps (the issue's 200) and report "
+                        f"its final loss against '{REFERENCE}' (uncompressed)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few minutes: 6 steps, 1 repeat, no loss run; tunes only if no table")
+    p.add_argument("--all", action="store_true",
+                   help="the whole table: one host (2, 3 ranks), then 2x2 and 4x1 emulated "
+                        "hosts at 1 and 10 Gbit/s (sudo), each tuned, 20 steps, 3 repeats, "
+                        "200-step losses (about 2 h here)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.repeats, a.loss_steps = 6, 1, 0
+    if a.all:
+        a.steps, a.repeats, a.loss_steps, a.tune = 20, 3, 200, True
+    return a
+
+
+def run_config(a, cluster, hosts: int, ranks: list) -> list:
+    """The rows of one configuration (one host, or ``hosts`` emulated hosts at ``cluster``)."""
+    vs = variants(a.codecs) + (MIXED if a.mixed else [])
+    where = f"{hosts}x{{n}} {cluster}" if cluster else "one host"
+    table = Path(a.table or OUT / (f"apps_tuning_cluster_{cluster}_{hosts}h.json" if cluster
+                                   else "apps_tuning.json"))
+    if a.tune or (a.quick and not table.exists()):
+        for n in ranks:
+            tune(n, table, cluster, hosts, a.codecs)
     if not table.exists():
         raise SystemExit(f"no tuning table at {table}: run with --tune (or pass --table)")
     rows = []
     for app in a.apps:
-        for n in a.ranks:
-            runs = {v[0]: [] for v in variants}
+        for n in ranks:
+            runs = {v[0]: [] for v in vs}
             for rep in range(a.repeats):
-                k = rep % len(variants)
-                for v in variants[k:] + variants[:k]:
-                    runs[v[0]].append(launch(app, n, v, a.steps, str(table), a.cluster,
-                                             a.hosts))
+                k = rep % len(vs)
+                for v in vs[k:] + vs[:k]:
+                    runs[v[0]].append(launch(app, n, v, a.steps, str(table), cluster, hosts))
+            final = {}
+            if a.loss_steps:
+                for v in vs:
+                    r = launch(app, n, v, a.loss_steps, str(table), cluster, hosts)
+                    final[v[0]] = r["losses"][-1]
             base = runs["gloo (torch)"]
             base_sps = statistics.median(r["samples_per_s"] for r in base)
-            for name, *_ in variants:
+            for name, *_ in vs:
                 rs = runs[name]
                 sps = statistics.median(r["samples_per_s"] for r in rs)
                 diff = max(abs(x - y) / max(abs(y), 1e-12)
                            for r in rs for x, y in zip(r["losses"], base[0]["losses"]))
                 ran = sorted({f"{op}: {'/'.join(names)}" for r in rs
                               for op, names in r.get("ran", {}).items()})
-                rows.append({"app": app, "ranks": n, "where": where.format(n=n // a.hosts),
-                             "ran": ran,
-                             "variant": name, "samples_per_s": sps,
-                             "vs_gloo": sps / base_sps,
-                             "comm_share": statistics.median(r["comm_share"] for r in rs),
-                             "loss_max_rel_diff_vs_gloo": diff, "repeats": len(rs)})
-                print(f"{app} n={n} {name:26s} {sps:10.0f} samples/s  x{sps / base_sps:.2f}  "
-                      f"comm {rows[-1]['comm_share']:.0%}  loss diff {diff:.1e}  "
-                      f"ran {'; '.join(ran) or '-'}", flush=True)
-    name = (f"apps_table_cluster_{a.cluster}_{a.hosts}h.json" if a.cluster
-            else "apps_table.json")
+                row = {"app": app, "ranks": n, "where": where.format(n=n // hosts),
+                       "ran": ran, "variant": name, "samples_per_s": sps,
+                       "vs_gloo": sps / base_sps,
+                       "comm_share": statistics.median(r["comm_share"] for r in rs),
+                       "loss_max_rel_diff_vs_gloo": diff, "repeats": len(rs)}
+                if final:
+                    ref = final[REFERENCE]
+                    row.update({"loss_steps": a.loss_steps, "final_loss": final[name],
+                                "final_loss_rel_diff": (final[name] - ref) / abs(ref)})
+                rows.append(row)
+                tail = (f"  loss@{a.loss_steps} {final[name]:.5f} "
+                        f"({row['final_loss_rel_diff']:+.2%})" if final else "")
+                print(f"{app} n={n} {where.format(n=n // hosts)} {name:26s} {sps:10.0f} "
+                      f"samples/s  x{sps / base_sps:.2f}  comm {row['comm_share']:.0%}  "
+                      f"loss diff {diff:.1e}{tail}  ran {'; '.join(ran) or '-'}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    a = parse(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    if a.all:
+        rows, name = [], "apps_table_all.json"
+        for cluster, hosts, ranks in ALL:
+            rows += run_config(a, cluster, hosts, ranks)
+            (OUT / name).write_text(json.dumps(rows, indent=1))  # a cut-off run keeps these
+    else:
+        rows = run_config(a, a.cluster, a.hosts if a.cluster else 1, a.ranks)
+        name = (f"apps_table_cluster_{a.cluster}_{a.hosts}h.json" if a.cluster
+                else "apps_table.json")
     (OUT / name).write_text(json.dumps(rows, indent=1))
     plot(rows, OUT / name.replace(".json", ".png"))
-    print("\n| app | where | ranks | variant | samples/s | vs gloo | comm share | loss diff vs gloo | ran |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    losses = any("final_loss" in r for r in rows)
+    print("\n| app | where | ranks | variant | samples/s | vs gloo | comm share | loss diff vs gloo |"
+          + (" final loss (vs mpi) |" if losses else "") + " ran |")
+    print("| --- " * (9 + losses) + "|")
     for r in rows:
-        print(f"| {r['app']} | {r['where']} | {r['ranks']} | {r['variant']} | {r['samples_per_s']:.0f} | "
-              f"{r['vs_gloo']:.2f}x | {r['comm_share']:.0%} | "
-              f"{r['loss_max_rel_diff_vs_gloo']:.0e} | {'; '.join(r['ran'])} |")
+        fl = (f" {r['final_loss']:.4f} ({r['final_loss_rel_diff']:+.2%}) |"
+              if "final_loss" in r else (" - |" if losses else ""))
+        print(f"| {r['app']} | {r['where']} | {r['ranks']} | {r['variant']} | "
+              f"{r['samples_per_s']:.0f} | {r['vs_gloo']:.2f}x | {r['comm_share']:.0%} | "
+              f"{r['loss_max_rel_diff_vs_gloo']:.0e} |{fl} {'; '.join(r['ran'])} |")
 
 
 def plot(rows, path: Path) -> None:
