@@ -37,7 +37,7 @@ demo: install
 
 # pytest's exit 5 (no test collected) would reach make's caller as make's own 2; say it here
 test: install
-	$(PY) -m pytest; rc=$$?; \
+	$(PY) -m pytest --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): nothing was checked" >&2; exit 0; fi; \
 	exit $$rc
 

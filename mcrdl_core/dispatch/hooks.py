@@ -52,7 +52,8 @@ def observer(name: str):
         target = OBSERVERS[name]
     except KeyError:
         raise InvalidArgumentError(f"no observer is registered as {name!r}: known are "
-                                   f"{sorted(OBSERVERS)} (hooks.register_observer adds one)")
+                                   f"{sorted(OBSERVERS)} (hooks.register_observer adds one)"
+                                   ) from None
     if isinstance(target, str):
         target = OBSERVERS[name] = load_attr(target)
     return target

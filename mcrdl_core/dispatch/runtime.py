@@ -80,6 +80,9 @@ class Runtime:
         runs where a collective's ranks meet."""
         if isinstance(observer, str):
             name, observer = observer, _hooks.observer(observer)
+        if not all(callable(getattr(observer, h, None)) for h in ("before", "after")):
+            raise InvalidArgumentError(f"watch: {observer!r} is not an observer: it needs "
+                                       "before() and after() (subclass mcrdl_core.Observer)")
         self._watching[name or type(observer).__name__] = observer
         self.observers = tuple(self._watching.values())
         self.observed = True

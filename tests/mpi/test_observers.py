@@ -102,7 +102,9 @@ def test_debug_is_the_observer_named_debug(rt):
     assert [s[0] for s in rec.seen] == [Op.ALL_REDUCE]
 
 
-def test_an_unknown_observer_name_is_refused(rt):
+def test_an_unknown_observer_or_a_non_observer_is_refused(rt):
     with pytest.raises(InvalidArgumentError, match="no observer is registered as 'tracer'"):
         rt.watch("tracer")
+    with pytest.raises(InvalidArgumentError, match="is not an observer: it needs before"):
+        rt.watch(object())
     assert not rt.observed
