@@ -8,6 +8,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mcrdl_core.tools.sweep import round_order
+
 COMM = MPI.COMM_WORLD
 
 
@@ -28,23 +30,14 @@ def per_call_times(fn, iters: int, warmup: int = 10) -> np.ndarray:
 
 
 def williams_order(k: int, rounds: int) -> list[list[int]]:
-    """At least ``rounds`` rounds (whole squares), each running all ``k`` functions once: rows of a
-    Williams design (a balanced Latin square, and its mirror when k is odd), so that
-    over every 2k rounds (k rounds for even k) each function runs at each position
-    equally often and directly follows every other one equally often. Every
-    function's batches are spread evenly over the run, so slow drifts of the machine
-    fall on all alike."""
-    first, lo, hi = [0], 1, k - 1
-    while len(first) < k:
-        first.append(lo)
-        lo += 1
-        if len(first) < k:
-            first.append(hi)
-            hi -= 1
-    square = [[(v + r) % k for v in first] for r in range(k)]
-    if k % 2:
-        square += [row[::-1] for row in square]
-    return square * -(-max(rounds, 1) // len(square))
+    """At least ``rounds`` rounds (whole squares), each running all ``k`` functions once:
+    the rows of ``mcrdl tune``'s Williams design (``sweep.round_order``: a balanced Latin
+    square, and its mirror when k is odd), so that over every 2k rounds (k rounds for
+    even k) each function runs at each position equally often and directly follows every
+    other one equally often. Every function's batches are spread evenly over the run, so
+    slow drifts of the machine fall on all alike."""
+    period = k if k % 2 == 0 else 2 * k
+    return round_order(k, period * -(-max(rounds, 1) // period))
 
 
 def interleaved_batches(fns, calls, rounds: int, settle_s: float = 2e-4) -> np.ndarray:
