@@ -358,6 +358,17 @@ class FP16(_Blocked):
             _pow2_up_slow(h, k, self.TOP, out2, slow, xp)
 
 
+def _host_torch(dst, src):
+    """torch, when it is already loaded in this process (the core never imports it) and
+    ``dst``/``src`` are contiguous host arrays torch can view without a copy or a
+    warning (``src`` writable); else None: the caller takes its NumPy path."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray)
+            or not (dst.flags.c_contiguous and src.flags.c_contiguous and src.flags.writeable)):
+        return None
+    return torch
+
+
 def _bf16_cast(dst, src) -> bool:
     """Between float32 values and bfloat16 bit patterns (uint16) of host arrays, either
     way, through torch's vectorised conversion when torch is already loaded (as
@@ -365,9 +376,8 @@ def _bf16_cast(dst, src) -> bool:
     arithmetic. Both round to nearest even, so finite values get the same bits; torch
     writes every NaN as one pattern, so the NaNs of an encode (if any) are redone with
     ``bf16_bits``, which keeps their sign as ml_dtypes does. False: not done."""
-    torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray)
-            or not (dst.flags.c_contiguous and src.flags.c_contiguous and src.flags.writeable)):
+    torch = _host_torch(dst, src)
+    if torch is None:
         return False
     if dst.dtype == np.uint16 and src.dtype == np.float32:
         torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).copy_(torch.from_numpy(src))
@@ -390,10 +400,8 @@ def _half_scaled(dst, src, factor) -> bool:
     kernel, which torch runs 2-3x faster than one mixed-dtype multiply. A 4 MiB block
     encodes in ~0.5 ms instead of ~1.4, and decodes in ~0.2 ms instead of ~0.6. Both
     round to nearest even, so the bits are NumPy's. False: not done."""
-    torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray)
-            or not (dst.flags.c_contiguous and src.flags.c_contiguous and src.flags.writeable)
-            or factor.dtype != np.float32):
+    torch = _host_torch(dst, src)
+    if torch is None or factor.dtype != np.float32:
         return False
     f = torch.from_numpy(factor)[:, None]
     if dst.dtype == np.float16 and src.dtype == np.float32:
