@@ -28,7 +28,7 @@ from mcrdl_core.observe import debug as _debug
 from mcrdl_core import dtypes as _dt
 from mcrdl_core.dispatch import fastpath as _fast
 from mcrdl_core.dispatch import validate as _v
-from mcrdl_core.dispatch.api import prepare
+from mcrdl_core.dispatch.pipeline import prepare
 from mcrdl_core.memory.buffer import CPU, Buffer
 from mcrdl_core.base.ops import Op, ReduceOp
 

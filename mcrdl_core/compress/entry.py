@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from ..dispatch import validate as _v
+from ..dispatch.pipeline import Call, run
 from ..base.ops import Op, ReduceOp
 from . import algorithms as _alg
 from .auto import Auto, choose, choose_all_to_all, keeps_plain
@@ -64,16 +65,19 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
 
 def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, then=None,
            counts=None, sel_nbytes=-1):
-    """Where auto keeps the backend's own collective: the core's usual path.
-    ``counts``/``sel_nbytes``: an all-to-all's splits and selection size (``_issue``)."""
-    be = rt.select(op, g, probe, backend, nbytes=sel_nbytes)
-    if rt.observed:
-        rt.before(g, op, be, probe, count=None if counts else probe.numel, counts=counts)
-    spans = rt.order(reads=reads, writes=writes, keep=async_op)
-    work = call(be)
-    if then is not None:
-        work.add_finalizer(then)
-    return rt.finish(work, spans, async_op, nbytes)
+    """Where auto keeps the backend's own collective: the core's pipeline, with
+    ``call(be)`` as its issue. ``counts``/``sel_nbytes``: an all-to-all's splits and
+    selection size (``_issue``)."""
+    def issue(be, g, red, sig):
+        work = call(be)
+        if then is not None:
+            work.add_finalizer(then)
+        return work
+
+    return run(Call(op, g, backend, probe, async_op=async_op, reads=reads, writes=writes,
+                    nbytes=sel_nbytes, log_bytes=nbytes, issue=issue,
+                    check=lambda g: {"count": None if counts else probe.numel,
+                                     "counts": counts}))
 
 
 def all_gather(rt, g, out, inp, cz, backend, async_op, writes=None, then=None):

@@ -2,6 +2,11 @@
 cupy arrays or Buffers). Names, arguments and semantics follow torch.distributed:
 ``src``/``dst`` are global ranks, collectives work in place where torch's do, and
 ``async_op=True`` returns a Work (``wait()``, ``is_completed()``), else None.
+
+Each call is its argument checks that need no group, its try of the fast path
+(``fastpath``), and its description as a ``pipeline.Call``, which ``pipeline.run`` runs:
+the rules every call shares (order of the checks, selection, compression and the other
+transforms, observers, memory ordering, finish) live there, once.
 """
 from __future__ import annotations
 
@@ -21,38 +26,8 @@ from ..world.backend import backend_class
 from . import fastpath as _fast
 from . import hooks as _hooks
 from . import validate as _v
+from .pipeline import Call, run
 from .runtime import get_runtime
-
-
-def prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
-    """The checks and selection of a call, without issuing it: (runtime, group, backend
-    instance, reduce op). ``buf`` may be metadata only (a traced value's shape and
-    dtype): what a frontend that issues the call its own way needs (the JAX lowering
-    under ``jit``). Raises the call's errors, as the call itself would."""
-    rt = get_runtime()
-    g = rt.group(group)
-    if reduce_op is not None:
-        reduce_op = ReduceOp.coerce(reduce_op)
-        _v.reduce_op(reduce_op, buf.dtype)
-    be = rt.select(op, g, buf, backend, reduce_op, nbytes)
-    return rt, g, be, reduce_op
-
-
-def _compression(compression, op, rt, g, backend, buf: Buffer, reduce_op=None):
-    """The compression allowed for this call (``compression=``, then MCRDL_COMPRESSION),
-    checked against its dtype and reduce op; None (the usual case) costs one env lookup,
-    and None too where an ``auto:`` spec keeps the backend's own collective."""
-    if compression is None and not _fast.compression_env():
-        return None
-    t = _compress()
-    cz = t.resolve(compression, op, buf.dtype, reduce_op)
-    return None if t.keeps_plain(cz, rt, g, op, buf, backend) else cz
-
-
-def _compress():
-    """The compression transform (``hooks``: loaded at the first call that allows
-    compression)."""
-    return _hooks.transform("compression")
 
 
 def _fast_one(fast, buf: Buffer, *args):
@@ -98,15 +73,18 @@ def _scatter_into(tmp: Buffer, outs) -> None:
 
 
 # --- point to point ------------------------------------------------------------------------
+# Each call below: its argument checks that need no group, its try of the fast path, then
+# its description (``pipeline.Call``: the checks that need the group, the backend's call,
+# the compressed and other variants), which ``pipeline.run`` runs.
 def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, backend=None):
     buf = _v.input(tensor, "tensor")
     done = _fast_one(_fast.send, buf, dst, tag, group, async_op, backend)
     if done is not _fast.MISS:
         return done
-    rt, g, be, _ = prepare(Op.SEND, group, buf, backend)
-    peer = g.group_rank(dst, "dst")
-    spans = rt.order(reads=(buf,), keep=async_op)
-    return rt.finish(be.send(g, buf, peer, int(tag)), spans, async_op, buf.nbytes)
+    tag = int(tag)
+    return run(Call(Op.SEND, group, backend, buf, async_op=async_op, reads=(buf,),
+                    log_bytes=buf.nbytes, check=lambda g: {"peer": g.group_rank(dst, "dst")},
+                    issue=lambda be, g, red, sig: be.send(g, buf, sig["peer"], tag)))
 
 
 def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: bool = False,
@@ -117,13 +95,16 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
     done = _fast_one(_fast.recv, buf, src, tag, group, async_op, backend)
     if done is not _fast.MISS:
         return done
-    rt, g, be, _ = prepare(Op.RECV, group, buf, backend)
-    peer = None if src is None else g.group_rank(src, "src")
-    spans = rt.order(writes=(buf,), keep=async_op)
-    work = be.recv(g, buf, peer, int(tag))
-    work.add_finalizer(lambda: setattr(work, "value", g.global_rank(work.value)))
-    rt.finish(work, spans, async_op, buf.nbytes)
-    return work if async_op else work.value
+    tag = int(tag)
+
+    def issue(be, g, red, sig):
+        work = be.recv(g, buf, sig["peer"], tag)
+        work.add_finalizer(lambda: setattr(work, "value", g.global_rank(work.value)))
+        return work
+
+    return run(Call(Op.RECV, group, backend, buf, async_op=async_op, writes=(buf,),
+                    log_bytes=buf.nbytes, issue=issue, value=True,
+                    check=lambda g: {"peer": None if src is None else g.group_rank(src, "src")}))
 
 
 def isend(tensor, dst: int, group=None, tag: int = 0, backend=None):
@@ -140,12 +121,10 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
     done = _fast_one(_fast.broadcast, buf, src, group, async_op, backend)
     if done is not _fast.MISS:
         return done
-    rt, g, be, _ = prepare(Op.BROADCAST, group, buf, backend)
-    root = g.group_rank(src, "src")
-    if rt.observed:
-        rt.before(g, Op.BROADCAST, be, buf, root=root, count=buf.numel)
-    spans = rt.order(writes=(buf,), keep=async_op)
-    return rt.finish(be.broadcast(g, buf, root), spans, async_op, buf.nbytes)
+    return run(Call(Op.BROADCAST, group, backend, buf, async_op=async_op, writes=(buf,),
+                    log_bytes=buf.nbytes,
+                    check=lambda g: {"root": g.group_rank(src, "src"), "count": buf.numel},
+                    issue=lambda be, g, red, sig: be.broadcast(g, buf, sig["root"])))
 
 
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -154,12 +133,10 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     done = _fast_one(_fast.reduce, buf, dst, op, group, async_op, backend)
     if done is not _fast.MISS:
         return done
-    rt, g, be, op = prepare(Op.REDUCE, group, buf, backend, op)
-    root = g.group_rank(dst, "dst")
-    if rt.observed:
-        rt.before(g, Op.REDUCE, be, buf, reduce_op=op, root=root, count=buf.numel)
-    spans = rt.order(writes=(buf,), keep=async_op)
-    return rt.finish(be.reduce(g, buf, root, op), spans, async_op, buf.nbytes)
+    return run(Call(Op.REDUCE, group, backend, buf, reduce_op=op, async_op=async_op,
+                    writes=(buf,), log_bytes=buf.nbytes,
+                    check=lambda g: {"root": g.group_rank(dst, "dst"), "count": buf.numel},
+                    issue=lambda be, g, red, sig: be.reduce(g, buf, sig["root"], red)))
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
@@ -178,14 +155,13 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
         done = _fast.all_reduce(get_runtime(), buf, op, group, async_op, backend)
         if done is not _fast.MISS:
             return done
-    rt, g, be, op = prepare(Op.ALL_REDUCE, group, buf, backend, op)
-    cz = _compression(compression, Op.ALL_REDUCE, rt, g, backend, buf, op)
-    if cz is not None:
-        return _compress().all_reduce(rt, g, buf, op, cz, backend, async_op)
-    if rt.observed:
-        rt.before(g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
-    spans = rt.order(writes=(buf,), keep=async_op)
-    return rt.finish(be.all_reduce(g, buf, op), spans, async_op, buf.nbytes)
+    return run(Call(
+        Op.ALL_REDUCE, group, backend, buf, reduce_op=op, compression=compression,
+        async_op=async_op, writes=(buf,), log_bytes=buf.nbytes,
+        check=lambda g: {"count": buf.numel},
+        issue=lambda be, g, red, sig: be.all_reduce(g, buf, red),
+        compressed=lambda t, rt, g, red, sig, cz: t.all_reduce(rt, g, buf, red, cz, backend,
+                                                              async_op)))
 
 
 def _hier_request(call: str, backend: str, compression):
@@ -206,10 +182,10 @@ def _hierarchical(tensor, op, group, async_op, backend, compression):
     for the checks: dtype, reduce op, group), then the ``hierarchical`` transform."""
     t, name = _hier_request("all_reduce", backend, compression)
     buf = _v.output(tensor, "tensor")
-    rt, g, be, op = prepare(Op.ALL_REDUCE, group, buf, name, op)
-    if rt.observed:
-        rt.before(g, Op.ALL_REDUCE, be, buf, reduce_op=op, count=buf.numel)
-    return t.all_reduce(rt, g, buf, op, backend, async_op)
+    return run(Call(Op.ALL_REDUCE, group, name, buf, reduce_op=op, async_op=async_op,
+                    check=lambda g: {"count": buf.numel},
+                    takeover=lambda rt, g, red: t.all_reduce(rt, g, buf, red, backend,
+                                                             async_op)))
 
 
 def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, group,
@@ -224,13 +200,16 @@ def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, grou
     out = _v.output(output, "output")
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "all_to_all_single")
-    rt, g, be, _ = prepare(Op.ALL_TO_ALL, group, inp, name)
-    counts = _v.splits(None, inp, g.size, "input_split_sizes")
-    _v.splits(None, out, g.size, "output_split_sizes")
-    _v.numel(out, inp.numel, "output", "the input's element count")
-    if rt.observed:
-        rt.before(g, Op.ALL_TO_ALL, be, inp, counts=(counts, counts))
-    return t.all_to_all(rt, g, out, inp, backend, async_op)
+
+    def check(g):
+        counts = _v.splits(None, inp, g.size, "input_split_sizes")
+        _v.splits(None, out, g.size, "output_split_sizes")
+        _v.numel(out, inp.numel, "output", "the input's element count")
+        return {"counts": (counts, counts)}
+
+    return run(Call(Op.ALL_TO_ALL, group, name, inp, async_op=async_op, check=check,
+                    takeover=lambda rt, g, red: t.all_to_all(rt, g, out, inp, backend,
+                                                             async_op)))
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
@@ -243,15 +222,17 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
                                 (out, inp), group, async_op, backend, inp)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = prepare(Op.ALL_GATHER, group, inp, backend)
-    _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
-    cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
-    if cz is not None:
-        return _compress().all_gather(rt, g, out, inp, cz, backend, async_op)
-    if rt.observed:
-        rt.before(g, Op.ALL_GATHER, be, inp, count=inp.numel)
-    spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
-    return rt.finish(be.all_gather(g, out, inp), spans, async_op, out.nbytes)
+
+    def check(g):
+        _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
+        return {"count": inp.numel}
+
+    return run(Call(
+        Op.ALL_GATHER, group, backend, inp, compression=compression, async_op=async_op,
+        reads=(inp,), writes=(out,), log_bytes=out.nbytes, check=check,
+        issue=lambda be, g, red, sig: be.all_gather(g, out, inp),
+        compressed=lambda t, rt, g, red, sig, cz: t.all_gather(rt, g, out, inp, cz, backend,
+                                                              async_op)))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None,
@@ -259,24 +240,33 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     outs = [_v.output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
     inp = _v.input(tensor, "tensor")
     _v.same_kind(outs + [inp], "all_gather")
-    rt, g, be, _ = prepare(Op.ALL_GATHER, group, inp, backend)
-    if len(outs) != g.size:
-        raise _v.InvalidArgumentError(f"all_gather: tensor_list has {len(outs)} tensors for a "
-                                      f"group of {g.size}; give one per rank")
-    for i, o in enumerate(outs):
-        _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
-    # one contiguous result on the outputs' producer stream, copied into the list after
-    tmp = alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
-    cz = _compression(compression, Op.ALL_GATHER, rt, g, backend, inp)
-    if cz is not None:
-        return _compress().all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
-                                then=lambda: _scatter_into(tmp, outs))
-    if rt.observed:
-        rt.before(g, Op.ALL_GATHER, be, inp, count=inp.numel)
-    spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
-    work = be.all_gather(g, tmp, inp)
-    work.add_finalizer(lambda: _scatter_into(tmp, outs))
-    return rt.finish(work, spans, async_op, tmp.nbytes)
+
+    def check(g):
+        if len(outs) != g.size:
+            raise _v.InvalidArgumentError(f"all_gather: tensor_list has {len(outs)} tensors "
+                                          f"for a group of {g.size}; give one per rank")
+        for i, o in enumerate(outs):
+            _v.numel(o, inp.numel, f"tensor_list[{i}]", "each must match the input tensor")
+        return {"count": inp.numel}
+
+    def staging():  # one contiguous result, copied into the list after
+        return alloc.empty((len(outs) * inp.numel,), inp.dtype, inp.device, like=outs[0])
+
+    def issue(be, g, red, sig):
+        tmp = staging()
+        work = be.all_gather(g, tmp, inp)
+        work.add_finalizer(lambda: _scatter_into(tmp, outs))
+        return work
+
+    def compressed(t, rt, g, red, sig, cz):
+        tmp = staging()
+        return t.all_gather(rt, g, tmp, inp, cz, backend, async_op, writes=outs,
+                            then=lambda: _scatter_into(tmp, outs))
+
+    return run(Call(Op.ALL_GATHER, group, backend, inp, compression=compression,
+                    async_op=async_op, reads=(inp,), writes=outs,
+                    log_bytes=len(outs) * inp.nbytes, check=check, issue=issue,
+                    compressed=compressed))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -289,15 +279,17 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                                     out.dtype, (out, inp), op, group, async_op, backend, out)
         if done is not _fast.MISS:
             return done
-    rt, g, be, op = prepare(Op.REDUCE_SCATTER, group, out, backend, op)
-    _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
-    cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
-    if cz is not None:
-        return _compress().reduce_scatter(rt, g, out, inp, op, cz, backend, async_op)
-    if rt.observed:
-        rt.before(g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
-    spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
-    return rt.finish(be.reduce_scatter(g, out, inp, op), spans, async_op, inp.nbytes)
+
+    def check(g):
+        _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
+        return {"count": out.numel}
+
+    return run(Call(
+        Op.REDUCE_SCATTER, group, backend, out, reduce_op=op, compression=compression,
+        async_op=async_op, reads=(inp,), writes=(out,), log_bytes=inp.nbytes, check=check,
+        issue=lambda be, g, red, sig: be.reduce_scatter(g, out, inp, red),
+        compressed=lambda t, rt, g, red, sig, cz: t.reduce_scatter(rt, g, out, inp, red, cz,
+                                                                  backend, async_op)))
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -305,22 +297,27 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     out = _v.output(output, "output")
     ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
     _v.same_kind([out] + ins, "reduce_scatter")
-    rt, g, be, op = prepare(Op.REDUCE_SCATTER, group, out, backend, op)
-    if len(ins) != g.size:
-        raise _v.InvalidArgumentError(f"reduce_scatter: input_list has {len(ins)} tensors for a "
-                                      f"group of {g.size}; give one per rank")
-    for i, b in enumerate(ins):
-        _v.numel(b, out.numel, f"input_list[{i}]", "each must match the output tensor")
-    cz = _compression(compression, Op.REDUCE_SCATTER, rt, g, backend, out, op)
-    if cz is not None:
+
+    def check(g):
+        if len(ins) != g.size:
+            raise _v.InvalidArgumentError(f"reduce_scatter: input_list has {len(ins)} tensors "
+                                          f"for a group of {g.size}; give one per rank")
+        for i, b in enumerate(ins):
+            _v.numel(b, out.numel, f"input_list[{i}]", "each must match the output tensor")
+        return {"count": out.numel}
+
+    def issue(be, g, red, sig):
+        return be.reduce_scatter(g, out, _concat(ins, len(ins) * out.numel), red)
+
+    def compressed(t, rt, g, red, sig, cz):
         rt.order(reads=ins, writes=(out,), keep=False)  # before the inputs are read
-        tmp = _concat(ins, g.size * out.numel)
-        return _compress().reduce_scatter(rt, g, out, tmp, op, cz, backend, async_op)
-    if rt.observed:
-        rt.before(g, Op.REDUCE_SCATTER, be, out, reduce_op=op, count=out.numel)
-    spans = rt.order(reads=ins, writes=(out,), keep=async_op)
-    tmp = _concat(ins, g.size * out.numel)
-    return rt.finish(be.reduce_scatter(g, out, tmp, op), spans, async_op, tmp.nbytes)
+        tmp = _concat(ins, len(ins) * out.numel)
+        return t.reduce_scatter(rt, g, out, tmp, red, cz, backend, async_op)
+
+    return run(Call(Op.REDUCE_SCATTER, group, backend, out, reduce_op=op,
+                    compression=compression, async_op=async_op, reads=ins, writes=(out,),
+                    log_bytes=len(ins) * out.nbytes, check=check, issue=issue,
+                    compressed=compressed))
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
@@ -333,30 +330,31 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     out = _v.output(output, "output")
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "all_to_all_single")
-    rt = get_runtime()
     if compression is None and inp.device.kind == "cpu":
-        done = _fast.all_to_all(rt, out.ptr, out.numel, out.shape[0] if out.shape else 1,
-                                inp.ptr, inp.numel, inp.shape[0] if inp.shape else 1, inp.dtype,
-                                (out, inp), output_split_sizes, input_split_sizes, group,
-                                async_op, backend, inp)
+        done = _fast.all_to_all(get_runtime(), out.ptr, out.numel,
+                                out.shape[0] if out.shape else 1, inp.ptr, inp.numel,
+                                inp.shape[0] if inp.shape else 1, inp.dtype, (out, inp),
+                                output_split_sizes, input_split_sizes, group, async_op,
+                                backend, inp)
         if done is not _fast.MISS:
             return done
-    g = rt.group(group)
-    out_counts = _v.splits(output_split_sizes, out, g.size, "output_split_sizes")
-    in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
-    even = len(set(out_counts)) == 1 and len(set(in_counts)) == 1 and out_counts == in_counts
-    nbytes = inp.nbytes if even and not (output_split_sizes or input_split_sizes) else None
-    _, _, be, _ = prepare(Op.ALL_TO_ALL, g, inp, backend, nbytes=nbytes)
-    cz = _compression(compression, Op.ALL_TO_ALL, rt, g, backend, inp)
-    if cz is not None:
-        return _compress().all_to_all(rt, g, out, inp, out_counts, in_counts, cz, backend,
-                                         async_op, nbytes)
-    if rt.observed:
-        rt.before(g, Op.ALL_TO_ALL, be, inp, counts=(out_counts, in_counts))
-    spans = rt.order(reads=(inp,), writes=(out,), keep=async_op)
     form_even = not output_split_sizes and not input_split_sizes
-    return rt.finish(be.all_to_all(g, out, inp, out_counts, in_counts, form_even), spans,
-                     async_op, inp.nbytes)
+
+    def check(g):
+        out_counts = _v.splits(output_split_sizes, out, g.size, "output_split_sizes")
+        in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
+        even = len(set(out_counts)) == 1 and len(set(in_counts)) == 1 and out_counts == in_counts
+        # the selection size: an uneven call has none that every rank shares
+        call.nbytes = inp.nbytes if even and form_even else None
+        return {"counts": (out_counts, in_counts)}
+
+    call = Call(
+        Op.ALL_TO_ALL, group, backend, inp, compression=compression, async_op=async_op,
+        reads=(inp,), writes=(out,), log_bytes=inp.nbytes, check=check,
+        issue=lambda be, g, red, sig: be.all_to_all(g, out, inp, *sig["counts"], form_even),
+        compressed=lambda t, rt, g, red, sig, cz: t.all_to_all(
+            rt, g, out, inp, *sig["counts"], cz, backend, async_op, call.nbytes))
+    return run(call)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
@@ -367,81 +365,100 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     if not outs or not ins:
         raise _v.InvalidArgumentError("all_to_all: tensor lists must not be empty")
     _v.same_kind(outs + ins, "all_to_all")
-    rt = get_runtime()
-    g = rt.group(group)
-    if len(outs) != g.size or len(ins) != g.size:
-        raise _v.InvalidArgumentError(f"all_to_all: {len(outs)} output and {len(ins)} input "
-                                      f"tensors for a group of {g.size}; give one per rank")
     out_counts = [b.numel for b in outs]
     in_counts = [b.numel for b in ins]
     even = len(set(out_counts + in_counts)) == 1
     nbytes = sum(b.nbytes for b in ins) if even else None
-    _, _, be, _ = prepare(Op.ALL_TO_ALL, g, ins[0], backend, nbytes=nbytes)
-    cz = _compression(compression, Op.ALL_TO_ALL, rt, g, backend, ins[0])
-    if cz is not None:
-        rt.order(reads=ins, writes=outs, keep=False)  # before the inputs are read
-        tmp_in = _concat(ins, sum(in_counts))
+
+    def check(g):
+        if len(outs) != g.size or len(ins) != g.size:
+            raise _v.InvalidArgumentError(f"all_to_all: {len(outs)} output and {len(ins)} input "
+                                          f"tensors for a group of {g.size}; give one per rank")
+        return {"counts": (out_counts, in_counts)}
+
+    def staging():  # the inputs packed, and one contiguous result copied into the list after
         tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
-        return _compress().all_to_all(rt, g, tmp_out, tmp_in, out_counts, in_counts, cz,
-                                         backend, async_op, nbytes, writes=outs,
-                                         then=lambda: _scatter_into(tmp_out, outs))
-    if rt.observed:
-        rt.before(g, Op.ALL_TO_ALL, be, ins[0], counts=(out_counts, in_counts))
-    spans = rt.order(reads=ins, writes=outs, keep=async_op)
-    tmp_in = _concat(ins, sum(in_counts))
-    tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
-    work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
-    work.add_finalizer(lambda: _scatter_into(tmp_out, outs))
-    return rt.finish(work, spans, async_op, tmp_in.nbytes)
+        return tmp_out, _concat(ins, sum(in_counts))
+
+    def issue(be, g, red, sig):
+        tmp_out, tmp_in = staging()
+        work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
+        work.add_finalizer(lambda: _scatter_into(tmp_out, outs))
+        return work
+
+    def compressed(t, rt, g, red, sig, cz):
+        rt.order(reads=ins, writes=outs, keep=False)  # before the inputs are read
+        tmp_out, tmp_in = staging()
+        return t.all_to_all(rt, g, tmp_out, tmp_in, out_counts, in_counts, cz, backend,
+                            async_op, nbytes, writes=outs,
+                            then=lambda: _scatter_into(tmp_out, outs))
+
+    return run(Call(Op.ALL_TO_ALL, group, backend, ins[0], compression=compression,
+                    async_op=async_op, reads=ins, writes=outs, nbytes=nbytes,
+                    log_bytes=sum(b.nbytes for b in ins), check=check, issue=issue,
+                    compressed=compressed))
+
+
+def _root_list(call, g, root, tensors, make, one, what, role, one_name):
+    """The root's list of a gather or scatter, checked (an empty list on other ranks):
+    one tensor per rank of the group, each of ``one``'s kind and size."""
+    if g.rank != root:
+        return []
+    if tensors is None or len(tensors) != g.size:
+        raise _v.InvalidArgumentError(f"{call}: the {role} rank needs a {what} of {g.size} "
+                                      "tensors (one per rank of the group)")
+    bufs = [make(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
+    _v.same_kind(bufs + [one], call)
+    for i, b in enumerate(bufs):
+        _v.numel(b, one.numel, f"{what}[{i}]", f"each must match the {one_name} tensor")
+    return bufs
 
 
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            backend=None):
     """Gather ``tensor`` from every rank into ``gather_list`` on ``dst`` (ignored elsewhere)."""
     inp = _v.input(tensor, "tensor")
-    rt, g, be, _ = prepare(Op.GATHER, group, inp, backend)
-    root = g.group_rank(dst, "dst")
-    outs = []
-    if g.rank == root:
-        if gather_list is None or len(gather_list) != g.size:
-            raise _v.InvalidArgumentError(f"gather: the destination rank needs a gather_list of "
-                                          f"{g.size} tensors (one per rank of the group)")
-        outs = [_v.output(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
-        _v.same_kind(outs + [inp], "gather")
-        for i, o in enumerate(outs):
-            _v.numel(o, inp.numel, f"gather_list[{i}]", "each must match the input tensor")
-    if rt.observed:
-        rt.before(g, Op.GATHER, be, inp, root=root, count=inp.numel)
-    spans = rt.order(reads=(inp,), writes=outs, keep=async_op)
-    tmp = (alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
-           if outs else None)
-    work = be.gather(g, tmp, inp, root)
-    if outs:
-        work.add_finalizer(lambda: _scatter_into(tmp, outs))
-    return rt.finish(work, spans, async_op, g.size * inp.nbytes)
+
+    def check(g):
+        root = g.group_rank(dst, "dst")
+        call.writes = _root_list("gather", g, root, gather_list, _v.output, inp, "gather_list",
+                                 "destination", "input")
+        call.log_bytes = g.size * inp.nbytes
+        return {"root": root, "count": inp.numel}
+
+    def issue(be, g, red, sig):
+        outs = call.writes
+        tmp = (alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
+               if outs else None)
+        work = be.gather(g, tmp, inp, sig["root"])
+        if outs:
+            work.add_finalizer(lambda: _scatter_into(tmp, outs))
+        return work
+
+    call = Call(Op.GATHER, group, backend, inp, async_op=async_op, reads=(inp,), check=check,
+                issue=issue)
+    return run(call)
 
 
 def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
             backend=None):
     """Scatter ``scatter_list`` (given on ``src``) into ``tensor`` on every rank."""
     out = _v.output(tensor, "tensor")
-    rt, g, be, _ = prepare(Op.SCATTER, group, out, backend)
-    root = g.group_rank(src, "src")
-    tmp, ins = None, []
-    if g.rank == root:
-        if scatter_list is None or len(scatter_list) != g.size:
-            raise _v.InvalidArgumentError(f"scatter: the source rank needs a scatter_list of "
-                                          f"{g.size} tensors (one per rank of the group)")
-        ins = [_v.input(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
-        _v.same_kind(ins + [out], "scatter")
-        for i, b in enumerate(ins):
-            _v.numel(b, out.numel, f"scatter_list[{i}]", "each must match the output tensor")
-    if rt.observed:
-        rt.before(g, Op.SCATTER, be, out, root=root, count=out.numel)
-    spans = rt.order(reads=ins, writes=(out,), keep=async_op)
-    if ins:
-        tmp = _concat(ins, g.size * out.numel)
-    return rt.finish(be.scatter(g, out, tmp, root), spans, async_op, g.size * out.nbytes)
+
+    def check(g):
+        root = g.group_rank(src, "src")
+        call.reads = _root_list("scatter", g, root, scatter_list, _v.input, out, "scatter_list",
+                                "source", "output")
+        call.log_bytes = g.size * out.nbytes
+        return {"root": root, "count": out.numel}
+
+    def issue(be, g, red, sig):
+        tmp = _concat(call.reads, g.size * out.numel) if call.reads else None
+        return be.scatter(g, out, tmp, sig["root"])
+
+    call = Call(Op.SCATTER, group, backend, out, async_op=async_op, writes=(out,), check=check,
+                issue=issue)
+    return run(call)
 
 
 # --- barrier -------------------------------------------------------------------------
@@ -482,11 +499,12 @@ def barrier(group=None, async_op: bool = False, backend=None):
         done = _fast.barrier(rt, group, async_op, backend, probe)
         if done is not _fast.MISS:
             return done
-    rt, g, be, _ = prepare(Op.BARRIER, group, probe, backend)
-    if rt.observed:
-        rt.before(g, Op.BARRIER, be, probe)
-    prior = [w for w in rt.engine.inflight if w.group is g and w.op not in _P2P]
-    return rt.finish(_after(be.barrier(g), prior), [], async_op, 0)
+
+    def issue(be, g, red, sig):
+        prior = [w for w in rt.engine.inflight if w.group is g and w.op not in _P2P]
+        return _after(be.barrier(g), prior)
+
+    return run(Call(Op.BARRIER, group, backend, probe, async_op=async_op, issue=issue))
 
 
 _P2P = (Op.SEND, Op.RECV)

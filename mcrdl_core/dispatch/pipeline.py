@@ -1,0 +1,135 @@
+"""The call pipeline: every collective and point-to-point call of the core, described
+once (a ``Call``) and run by one function (``run``).
+
+The steps, in order, each raising before anything is sent:
+
+1. the group (member, alive, not broken) and the reduce op (known, valid for the dtype);
+2. the op's own checks that need the group (``Call.check``: a root in the group, element
+   counts that fit the group size, split sizes); they return the call's *signature*
+   (root, count, counts) for the observers;
+3. selection (``Runtime.select``: the backend named, else the tuning table, else the
+   policy) with the call's selection size;
+4. a transform, where one applies: the compressed variants (``compression=`` or
+   MCRDL_COMPRESSION, on the ops that have codecs: ``Call.compressed``) and the
+   two-level algorithms (``backend="hier"``: ``Call.takeover``). Transforms are looked
+   up by name in ``hooks``, so this module imports none of them;
+5. the observers (``Runtime.before``: the debug checks, user observers), for
+   collectives (not send and recv: only one side of the group calls them);
+6. ordering against work in flight on the memory it reads and writes;
+7. the issue (``Call.issue``: the backend's own call) and the finish (register the
+   async Work, or wait for it; the logger and the observers' ``after``).
+
+The frontends' small host calls mostly skip all of this through ``fastpath``, a memo
+of steps 1-3 per call key that the first call of each key fills by running here; a
+call it cannot serve with the same guarantees comes here (see its docstring).
+
+Why one function and closures rather than a method per op: every rule (order of the
+checks, when compression applies, what an observer sees, how memory is ordered) is
+written once, and a new op or transform only says what is its own. This is the shape
+of torchcomms' pre/post hooks and DeepSpeed's ``timed_op``, with the backend choice
+inside the pipeline as MCR-DL's one addition.
+"""
+from __future__ import annotations
+
+from ..base.ops import Op, ReduceOp
+from . import fastpath as _fast
+from . import hooks as _hooks
+from . import validate as _v
+from .runtime import get_runtime
+
+
+#: calls the observers do not see (they watch collectives: every rank of the group calls)
+_POINT_TO_POINT = (Op.SEND, Op.RECV)
+
+
+def _no_check(g) -> dict:
+    return {}
+
+
+class Call:
+    """One call, described: what the pipeline needs to run it.
+
+    ``op``, ``group``, ``backend`` (the request: None, a name, "auto"), ``buf`` (the
+    Buffer selection judges: dtype, device, size), ``reduce_op`` (None for ops without
+    one), ``compression`` (the ``compression=`` argument; None also consults
+    MCRDL_COMPRESSION), ``async_op``; ``reads``/``writes``: the user's buffers it reads
+    and writes (for ordering); ``nbytes``: the selection size (-1: ``buf.nbytes``;
+    None: no size, an uneven call); ``log_bytes``: the size the logger and observers
+    record. The op's own parts, as functions:
+
+    - ``check(g) -> dict``: checks that need the group; the observers' signature
+      (``root``, ``count``, ``counts``); may set ``nbytes``;
+    - ``issue(be, g, red, sig) -> Work``: the backend's call;
+    - ``compressed(t, rt, g, red, sig, cz)``: the call through the ``compression``
+      transform ``t`` with the resolved spec ``cz`` (None: the op has no codecs);
+    - ``takeover(rt, g, red)``: another algorithm runs the whole call (after the
+      checks, selection and observers; no ordering or issue here);
+    - ``value``: a blocking call returns its Work's value (recv: the source rank).
+    """
+
+    __slots__ = ("op", "group", "backend", "buf", "reduce_op", "compression", "async_op",
+                 "reads", "writes", "nbytes", "log_bytes", "check", "issue", "compressed",
+                 "takeover", "value")
+
+    def __init__(self, op, group, backend, buf, *, reduce_op=None, compression=None,
+                 async_op=False, reads=(), writes=(), nbytes=-1, log_bytes=0,
+                 check=_no_check, issue=None, compressed=None, takeover=None, value=False):
+        self.op, self.group, self.backend, self.buf = op, group, backend, buf
+        self.reduce_op, self.compression, self.async_op = reduce_op, compression, async_op
+        self.reads, self.writes, self.nbytes, self.log_bytes = reads, writes, nbytes, log_bytes
+        self.check, self.issue, self.compressed = check, issue, compressed
+        self.takeover, self.value = takeover, value
+
+
+def prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
+    """Steps 1 and 3 of the pipeline alone: (runtime, group, backend instance, reduce
+    op), raising the call's errors. ``buf`` may be metadata only (a traced value's
+    shape and dtype): what a frontend that issues the call its own way needs (the JAX
+    lowering under ``jit``)."""
+    rt = get_runtime()
+    g = rt.group(group)
+    red = _reduce_op(reduce_op, buf)
+    return rt, g, rt.select(op, g, buf, backend, red, nbytes), red
+
+
+def _reduce_op(red, buf):
+    if red is not None:
+        red = ReduceOp.coerce(red)
+        _v.reduce_op(red, buf.dtype)
+    return red
+
+
+def compression_for(compression, op, rt, g, backend, buf, reduce_op=None):
+    """The compression allowed for this call (``compression=``, then MCRDL_COMPRESSION),
+    checked against its dtype and reduce op; None (the usual case) costs one env lookup,
+    and None too where an ``auto:`` spec keeps the backend's own collective."""
+    if compression is None and not _fast.compression_env():
+        return None
+    t = _hooks.transform("compression")
+    cz = t.resolve(compression, op, buf.dtype, reduce_op)
+    return None if t.keeps_plain(cz, rt, g, op, buf, backend) else cz
+
+
+def run(c: Call):
+    """Run a described call through the pipeline (the module docstring's steps); return
+    what the torch.distributed-shaped call returns: the Work (async), else None (or the
+    Work's value where ``c.value``)."""
+    rt = get_runtime()
+    g = rt.group(c.group)
+    red = _reduce_op(c.reduce_op, c.buf)
+    sig = c.check(g)
+    be = rt.select(c.op, g, c.buf, c.backend, red, c.nbytes)
+    if c.compressed is not None:
+        cz = compression_for(c.compression, c.op, rt, g, c.backend, c.buf, red)
+        if cz is not None:
+            return c.compressed(_hooks.transform("compression"), rt, g, red, sig, cz)
+    if rt.observed and c.op not in _POINT_TO_POINT:
+        if red is not None:
+            sig = dict(sig, reduce_op=red)
+        rt.before(g, c.op, be, c.buf, **sig)
+    if c.takeover is not None:
+        return c.takeover(rt, g, red)
+    spans = rt.order(reads=c.reads, writes=c.writes, keep=c.async_op)
+    work = c.issue(be, g, red, sig)
+    done = rt.finish(work, spans, c.async_op, c.log_bytes)
+    return work.value if c.value and not c.async_op else done
