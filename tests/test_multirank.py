@@ -136,3 +136,24 @@ def test_hierarchical_all_reduce_on_emulated_hosts(nranks, per_host, tmp_path):
     for r, t in tallies.items():
         assert t["failed"] == 0 and t["error"] == 0 and t["skipped"] == 0, (r, t)
         assert t["passed"] >= 50, (r, t)
+
+
+@pytest.mark.multirank
+def test_tune_measures_hier_where_ranks_share_hosts(tmp_path):
+    """``mcrdl tune`` on 2 emulated hosts of 2 ranks measures the two-level algorithm as
+    a column of all_reduce and all_to_all (not of broadcast); ``--no-hier`` leaves it
+    out. The choice itself is the evidence rule's (tests/test_tuning_decisions.py)."""
+    tables = {}
+    for flag in ((), ("--no-hier",)):
+        path = tmp_path / f"table{len(flag)}.json"
+        cmd = [MPIEXEC, "-n", "4", str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
+               "all_to_all", "broadcast", "--sizes", "4K", "--trials-scale", "0.1",
+               "-o", str(path), *flag]
+        proc = _run(cmd, 300, _env(MCRDL_RANKS_PER_HOST="2"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        tables[flag] = {e["op"]: sorted(e["measured"]["median_s"])
+                        for e in json.loads(path.read_text())["entries"]}
+    plain = sorted(["mpi", "gloo"])
+    assert tables[()] == {"all_reduce": sorted(plain + ["hier"]),
+                          "all_to_all": sorted(plain + ["hier"]), "broadcast": plain}
+    assert tables[("--no-hier",)] == {op: plain for op in tables[()]}

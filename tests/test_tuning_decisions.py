@@ -460,3 +460,24 @@ def test_summary_uses_the_runtime_table(monkeypatch):
     assert "table stale" in lg.summary(print_fn=None)
     rt.table = None
     assert lg.stale() == []
+
+
+# --- the two-level algorithms as a candidate ------------------------------------------
+def test_hier_is_a_column_of_all_reduce_and_all_to_all_only_where_hosts_are_shared():
+    assert sweep.algorithm_columns("all_reduce", True) == ["hier"]
+    assert sweep.algorithm_columns("all_to_all", True) == ["hier"]
+    assert sweep.algorithm_columns("broadcast", True) == []
+    assert sweep.algorithm_columns("all_reduce", False) == []
+
+
+def test_hier_is_chosen_like_a_backend_where_it_wins_and_never_by_the_policy():
+    from mcrdl_core.dispatch.selection import algorithm, is_algorithm
+    figs = figures(lambda s: 1.3)  # gloo slower everywhere
+    for i, (s, by) in enumerate(figs.items()):
+        noise = np.exp(np.random.default_rng(200 + i).normal(0, .02, len(by["mpi"])))
+        by["hier"] = by["mpi"] * (0.5 if s >= 2048 else 1.4) * noise
+    assert ranges_of(figs) == [[1024, "mpi"], [None, "hier"]]
+    assert tuning.policy_choice("cpu", ["hier", "gloo", "mpi"]) == "mpi"
+    assert is_algorithm("hier") and is_algorithm("hier:mpi") and not is_algorithm("mpi")
+    # no table: no algorithm (and the lookup is never made)
+    assert algorithm(SimpleNamespace(table=None), None, None, None, None) is None

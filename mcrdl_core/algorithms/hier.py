@@ -59,6 +59,26 @@ def inner(backend: str) -> str | None:
     return name
 
 
+def _by_host(rt, g):
+    """{host: ranks of ``g`` on it, in group order}, or None where ``g`` is not
+    hierarchical: one host, or hosts with different counts of its ranks, or one each."""
+    host_of = rt.bootstrap.host_of
+    by_host: dict = {}
+    for r in g.ranks:
+        by_host.setdefault(host_of[r] if host_of else "", []).append(r)
+    counts = {len(v) for v in by_host.values()}
+    if len(by_host) < 2 or len(counts) != 1 or counts.pop() < 2:
+        return None
+    return by_host
+
+
+def applies(rt, g) -> bool:
+    """Whether the two-level algorithms differ from the flat ones on group ``g`` (see
+    ``levels``), without making any group: what ``mcrdl tune`` asks before measuring
+    them as a candidate."""
+    return _by_host(rt, g) is not None
+
+
 def levels(rt, g):
     """(this rank's host group, its inter-host group, index) for group ``g``, or None
     where ``g`` is not hierarchical; ``index[h][l]`` is the group rank of the ``l``-th
@@ -69,14 +89,11 @@ def levels(rt, g):
     key = (g.key, g.ranks)
     if key in cache:
         return cache[key]
-    host_of = rt.bootstrap.host_of
-    by_host: dict = {}
-    for r in g.ranks:
-        by_host.setdefault(host_of[r] if host_of else "", []).append(r)
-    counts = {len(v) for v in by_host.values()}
-    if len(by_host) < 2 or len(counts) != 1 or counts.pop() < 2:
+    by_host = _by_host(rt, g)
+    if by_host is None:
         cache[key] = None
         return None
+    host_of = rt.bootstrap.host_of
     hosts = list(by_host)
     mine = by_host[host_of[rt.rank]]
     h, local = hosts.index(host_of[rt.rank]), mine.index(rt.rank)

@@ -161,7 +161,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
         check=lambda g: {"count": buf.numel},
         issue=lambda be, g, red, sig: be.all_reduce(g, buf, red),
         compressed=lambda t, rt, g, red, sig, cz: t.all_reduce(rt, g, buf, red, cz, backend,
-                                                              async_op)))
+                                                              async_op),
+        algorithm=lambda name, rt, g, red: _hooks.transform("hierarchical").all_reduce(
+            rt, g, buf, red, name, async_op)))
 
 
 def _hier_request(call: str, backend: str, compression):
@@ -353,7 +355,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         reads=(inp,), writes=(out,), log_bytes=inp.nbytes, check=check,
         issue=lambda be, g, red, sig: be.all_to_all(g, out, inp, *sig["counts"], form_even),
         compressed=lambda t, rt, g, red, sig, cz: t.all_to_all(
-            rt, g, out, inp, *sig["counts"], cz, backend, async_op, call.nbytes))
+            rt, g, out, inp, *sig["counts"], cz, backend, async_op, call.nbytes),
+        algorithm=None if not form_even else lambda name, rt, g, red: _hooks.transform(
+            "hierarchical").all_to_all(rt, g, out, inp, name, async_op))
     return run(call)
 
 

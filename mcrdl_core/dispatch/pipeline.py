@@ -11,7 +11,8 @@ The steps, in order, each raising before anything is sent:
    policy) with the call's selection size;
 4. a transform, where one applies: the compressed variants (``compression=`` or
    MCRDL_COMPRESSION, on the ops that have codecs: ``Call.compressed``) and the
-   two-level algorithms (``backend="hier"``: ``Call.takeover``). Transforms are looked
+   two-level algorithms (``backend="hier"``: ``Call.takeover``; or the tuning table's
+   choice for an auto call: ``Call.algorithm``). Transforms are looked
    up by name in ``hooks``, so this module imports none of them;
 5. the observers (``Runtime.before``: the debug checks, user observers), for
    collectives (not send and recv: only one side of the group calls them);
@@ -31,9 +32,12 @@ inside the pipeline as MCR-DL's one addition.
 """
 from __future__ import annotations
 
+import functools
+
 from ..base.ops import Op, ReduceOp
 from . import fastpath as _fast
 from . import hooks as _hooks
+from . import selection as _selection
 from . import validate as _v
 from .runtime import get_runtime
 
@@ -64,21 +68,25 @@ class Call:
       transform ``t`` with the resolved spec ``cz`` (None: the op has no codecs);
     - ``takeover(rt, g, red)``: another algorithm runs the whole call (after the
       checks, selection and observers; no ordering or issue here);
+    - ``algorithm(name, rt, g, red)``: how the call runs an algorithm the tuning table
+      names instead of a backend (``selection.algorithm``: ``hier``), where the op
+      has one; taken as the takeover when the table says so;
     - ``value``: a blocking call returns its Work's value (recv: the source rank).
     """
 
     __slots__ = ("op", "group", "backend", "buf", "reduce_op", "compression", "async_op",
                  "reads", "writes", "nbytes", "log_bytes", "check", "issue", "compressed",
-                 "takeover", "value")
+                 "takeover", "algorithm", "value")
 
     def __init__(self, op, group, backend, buf, *, reduce_op=None, compression=None,
                  async_op=False, reads=(), writes=(), nbytes=-1, log_bytes=0,
-                 check=_no_check, issue=None, compressed=None, takeover=None, value=False):
+                 check=_no_check, issue=None, compressed=None, takeover=None, algorithm=None,
+                 value=False):
         self.op, self.group, self.backend, self.buf = op, group, backend, buf
         self.reduce_op, self.compression, self.async_op = reduce_op, compression, async_op
         self.reads, self.writes, self.nbytes, self.log_bytes = reads, writes, nbytes, log_bytes
         self.check, self.issue, self.compressed = check, issue, compressed
-        self.takeover, self.value = takeover, value
+        self.takeover, self.algorithm, self.value = takeover, algorithm, value
 
 
 def prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
@@ -118,6 +126,11 @@ def run(c: Call):
     g = rt.group(c.group)
     red = _reduce_op(c.reduce_op, c.buf)
     sig = c.check(g)
+    takeover = c.takeover
+    if c.algorithm is not None and rt.table is not None and c.nbytes is not None:
+        name = _selection.algorithm(rt, c.op, g, c.buf, c.backend, c.nbytes)
+        if name is not None:
+            takeover = functools.partial(c.algorithm, name)
     be = rt.select(c.op, g, c.buf, c.backend, red, c.nbytes)
     if c.compressed is not None:
         cz = compression_for(c.compression, c.op, rt, g, c.backend, c.buf, red)
@@ -127,8 +140,8 @@ def run(c: Call):
         if red is not None:
             sig = dict(sig, reduce_op=red)
         rt.before(g, c.op, be, c.buf, **sig)
-    if c.takeover is not None:
-        return c.takeover(rt, g, red)
+    if takeover is not None:
+        return takeover(rt, g, red)
     spans = rt.order(reads=c.reads, writes=c.writes, keep=c.async_op)
     work = c.issue(be, g, red, sig)
     done = rt.finish(work, spans, c.async_op, c.log_bytes)

@@ -89,6 +89,10 @@ log = logging.getLogger("mcrdl.selection")
 SCHEMA = "mcrdl.tuning/2"
 SCHEMA_V1 = "mcrdl.tuning/1"  # read (entries without "hosts": one host), never written
 POLICY = {"cuda": ("nccl", "mpi", "gloo"), "cpu": ("mpi", "gloo")}
+#: table names that are algorithms over the backends, not backends: ``hier`` (the
+#: two-level all-reduce and all-to-all, ``mcrdl_core.algorithms.hier``), which
+#: ``mcrdl tune`` measures as a lossless candidate where ranks share hosts
+ALGORITHMS = ("hier",)
 VERDICTS = ("ok", "lost", "unsure")
 
 
@@ -108,7 +112,8 @@ def decide(rt, op, group, device, dtype, reduce_op, backend, nbytes):
     if rt.table is not None:
         hit = rt.table.lookup(op.value, group.size, device.kind, dtype_class(dtype), nbytes,
                               rt.bootstrap.hosts_in(group.ranks))
-        if hit is not None and rt.unavailable_reason(hit) is None:
+        if (hit is not None and not is_algorithm(hit)
+                and rt.unavailable_reason(hit) is None):
             cand = rt.backend(hit)
             if cand.unsupported_reason(op, device, dtype, reduce_op) is None:
                 return cand
@@ -119,6 +124,24 @@ def decide(rt, op, group, device, dtype, reduce_op, backend, nbytes):
             f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
             f"{rt.available_backends()}")
     return rt.backend(names[0])
+
+
+def is_algorithm(name: str) -> bool:
+    """True for a table name that is an algorithm (``hier``, ``hier:mpi``)."""
+    return name.partition(":")[0] in ALGORITHMS
+
+
+def algorithm(rt, op, group, buf, backend, nbytes=-1) -> str | None:
+    """The tuning table's choice for a call where it names an algorithm (``hier``)
+    instead of a backend, else None: also where the call names a backend (argument,
+    group default, MCRDL_BACKEND) or there is no table. The api's all-reduce and even
+    all-to-all then run that algorithm, whose steps select their own backends."""
+    if rt.table is None or rt.named_backend(op, group, backend) is not None:
+        return None
+    hit = rt.table.lookup(op.value, group.size, buf.device.kind, dtype_class(buf.dtype),
+                          buf.nbytes if nbytes == -1 else nbytes,
+                          rt.bootstrap.hosts_in(group.ranks))
+    return hit if hit is not None and is_algorithm(hit) else None
 
 
 def capable(rt, op, device, dtype, reduce_op) -> list:

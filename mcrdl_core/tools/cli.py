@@ -24,6 +24,7 @@ import sys
 
 from ..base import dtypes
 from ..base.errors import McrdlError
+from ..algorithms import hier as _hier
 from ..base.ops import Op, ReduceOp
 from ..cluster.command import add_parser as add_cluster_parser
 from ..compress.spec import make_codec
@@ -200,7 +201,10 @@ def cmd_tune(args) -> int:
 
 
 def _tune(rt, args, backends, codecs, path, hosts, watch) -> int:
-    what = f"{len(backends)} backends" + (f" + {'/'.join(codecs)} variants" if codecs else "")
+    hierarchical = (args.device == "cpu" and not args.no_hier
+                    and _hier.applies(rt, rt.world))
+    what = (f"{len(backends)} backends" + (" + hier" if hierarchical else "")
+            + (f" + {'/'.join(codecs)} variants" if codecs else ""))
     sizes = _sizes(args)
     total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
     bar = _Progress(rt.rank, total, f"tuning {what} ({args.device})")
@@ -211,7 +215,8 @@ def _tune(rt, args, backends, codecs, path, hosts, watch) -> int:
 
     try:
         res = _sweep.sweep_rounds(args.ops, sizes, backends, trials_scale=args.trials_scale,
-                                  on_point=on_point, device=args.device, compression=codecs)
+                                  on_point=on_point, device=args.device, compression=codecs,
+                                  hierarchical=hierarchical)
     finally:
         bar.close()
     measure = _measure(args)
@@ -586,6 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-repair", action="store_true",
                            help="verify, but do not give ranges that lose back to the policy "
                                 "(readers then skip them, with a warning)")
+            p.add_argument("--no-hier", action="store_true",
+                           help="do not measure the two-level all_reduce and all_to_all "
+                                "(measured by default as a lossless candidate, column "
+                                "'hier', where the job's ranks share hosts: several hosts "
+                                "with the same number, at least 2, of ranks on each)")
             p.add_argument("--compression", metavar="CODECS",
                            help="also measure these lossy codecs (e.g. fp16,int8): their ring "
                                 "(and a2a for reduce_scatter) over each backend for all_gather, "

@@ -69,6 +69,18 @@ COMPRESSED_ALGORITHMS = {"all_gather": ("ring",), "reduce_scatter": ("ring", "a2
                          "all_reduce": ("ring",), "all_to_all": ("a2a",)}
 
 
+#: the ops with a two-level algorithm (``mcrdl_core.algorithms.hier``), measured as the
+#: lossless column "hier" where the group's ranks share hosts (``hier.applies``)
+HIER_OPS = ("all_reduce", "all_to_all")
+
+
+def algorithm_columns(op: str, hierarchical: bool) -> list[str]:
+    """The algorithms measured for ``op`` beside the backends: ``hier`` for the ops of
+    HIER_OPS when ``hierarchical``; a plain (lossless) column that the table may choose
+    like a backend."""
+    return ["hier"] if hierarchical and op in HIER_OPS else []
+
+
 def compressed_columns(op: str, backends, codecs) -> list[str]:
     """The compressed variants measured for ``op``: ``BACKEND+CODEC@ALGORITHM`` for each
     codec, algorithm and (plain, not control) backend; none for other ops."""
@@ -128,7 +140,8 @@ def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=Non
         kw["compression"] = compression
         if op == "all_reduce":
             return lambda: api.all_reduce(x, "avg", **kw)
-    elif op in COMPRESSED_ALGORITHMS and _config.get("MCRDL_COMPRESSION"):
+    elif (op in COMPRESSED_ALGORITHMS and _config.get("MCRDL_COMPRESSION")
+          and not backend.startswith("hier")):  # (hier takes no compression at all)
         kw["compression"] = "off"  # a plain column is the backend's own collective
     root = g.ranks[0]
     if op == "all_reduce":
@@ -261,15 +274,18 @@ def sizes_between(lo: int, hi: int) -> list[int]:
 
 
 def sweep_rounds(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32,
-                 group=None, on_point=None, device: str = "cpu", compression=()) -> dict:
+                 group=None, on_point=None, device: str = "cpu", compression=(),
+                 hierarchical: bool = False) -> dict:
     """{op: {size: {column: array of per-round seconds}}}, a column per backend plus,
-    with ``compression`` (codec names), the compressed variants of
-    ``compressed_columns``; ``trials_for(size)`` rounds per point. ``on_point(op,
-    size)`` after each point (a progress bar). Barrier is measured once (size 0)."""
+    with ``hierarchical``, the two-level algorithms (``algorithm_columns``) and, with
+    ``compression`` (codec names), the compressed variants of ``compressed_columns``;
+    ``trials_for(size)`` rounds per point. ``on_point(op, size)`` after each point (a
+    progress bar). Barrier is measured once (size 0)."""
     results = {}
     for op in ops:
         pts = [0] if op == "barrier" else sizes
-        cols = list(backends) + compressed_columns(op, backends, compression)
+        cols = (list(backends) + algorithm_columns(op, hierarchical)
+                + compressed_columns(op, backends, compression))
         results[op] = {}
         for size in pts:
             results[op][size] = measure_rounds(op, size, cols, trials_for(size, trials_scale),

@@ -12,6 +12,7 @@ from mcrdl_core.base import config as _config
 from mcrdl_core.algorithms import hier
 from mcrdl_core.base.errors import InvalidArgumentError
 from mcrdl_core.observe.logger import logger
+from mcrdl_core.dispatch.selection import SCHEMA, TuningTable
 
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
 K = _config.get("MCRDL_RANKS_PER_HOST") or 0  # ranks per emulated host
@@ -205,3 +206,47 @@ def test_all_to_all_bad_input_fails_before_anything_is_sent():
     if SIZE > 1:
         with pytest.raises(InvalidArgumentError, match="divisible"):
             core.all_to_all_single(np.empty(SIZE + 1), np.ones(SIZE + 1), backend="hier")
+
+
+@pytest.fixture
+def hier_table():
+    """A tuning table that says: mpi up to 64 B, the two-level algorithm above, for
+    all_reduce and all_to_all (what ``mcrdl tune`` writes where ``hier`` wins)."""
+    rt = core.get_runtime()
+    hosts = rt.bootstrap.hosts_in(rt.world.ranks)
+    rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
+        {"op": op, "world_size": SIZE, "hosts": hosts, "device": "cpu", "dtype_class": "float",
+         "ranges": [[64, "mpi"], [None, "hier"]]} for op in ("all_reduce", "all_to_all")]}))
+    yield rt
+    rt.set_table(None)
+
+
+def test_a_table_that_names_hier_runs_it_for_auto_calls_only(hier_table):
+    logger().enable()
+    logger().clear()
+    try:
+        small = [_vals(RANK, 4, np.float32) for _ in range(2)]  # 16 B: mpi (fast path)
+        big = [_vals(RANK, 100, np.float32) for _ in range(3)]  # 400 B: hier
+        for x in small + big[:2]:  # twice each: the fast path's memo must not take hier's
+            core.all_reduce(x)
+        t = torch.from_numpy(_vals(RANK, 100, np.float32))
+        dist.all_reduce(t)
+        x = _vals(RANK, SIZE * 50, np.float32)
+        out = np.empty_like(x)
+        core.all_to_all_single(out, x)
+        core.all_reduce(big[2], backend="mpi")  # a named backend beats the table
+        uneven = np.empty(SIZE * 50, np.float32)  # split sizes: always flat
+        core.all_to_all_single(uneven, x, [50] * SIZE, [50] * SIZE)
+        names = [(rec[0], rec[2]) for rec in logger().records]
+    finally:
+        logger().disable()
+    for y in small:
+        np.testing.assert_allclose(y, _expect(4, np.float32, "sum"))
+    for y in big + [t.numpy()]:
+        np.testing.assert_allclose(y, _expect(100, np.float32, "sum"))
+    np.testing.assert_array_equal(out, _a2a_expect(50, np.float32))
+    np.testing.assert_array_equal(uneven, _a2a_expect(50, np.float32))
+    h_ar = "hier(mpi/mpi/mpi)" if EMULATED else "mpi"
+    h_a2a = "hier(mpi/mpi)" if EMULATED else "mpi"
+    assert names == [("all_reduce", "mpi")] * 2 + [("all_reduce", h_ar)] * 3 + \
+        [("all_to_all", h_a2a), ("all_reduce", "mpi"), ("all_to_all", "mpi")], names
