@@ -138,12 +138,13 @@ def test_bf16_rounds_like_ml_dtypes():
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "fp16:256"])
-def test_16_bit_codecs_give_the_same_bits_with_or_without_torch(monkeypatch, name):
-    """The 16-bit codecs cast through torch when torch is loaded and through NumPy
-    otherwise: the same encoded bytes and decoded values either way (bf16's are
-    ml_dtypes' own; a NaN decodes as a NaN), NaN of both signs, infinities, subnormals, values that round up to
-    inf, blocks far from 1, and 0/1 elements included."""
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp16:256", "int8", "int8:64", "int4", "fp8"])
+def test_codecs_give_the_same_bits_with_or_without_torch(monkeypatch, name):
+    """The codecs cast, scale, round and reduce through torch when torch is loaded and
+    through NumPy otherwise: the same encoded bytes and decoded values either way (bf16's
+    are ml_dtypes' own; a NaN decodes as a NaN), NaN of both signs, infinities,
+    subnormals, values that round up to inf, blocks far from 1, scaled values exactly
+    half-way between two codes (rint's ties to even), and 0/1 elements included."""
     import sys
 
     import torch  # noqa: F401  (loaded; hidden from the codecs for the NumPy path)
@@ -152,8 +153,11 @@ def test_16_bit_codecs_give_the_same_bits_with_or_without_torch(monkeypatch, nam
     special = np.array([np.nan, -np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, -1e-42,
                         0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8], np.float32)
     finite = special[4:]
+    # amax 126 = 0.984375 * 2^7 (exact in the scale word): int8 scales by exactly 1
+    ties = np.zeros(256, np.float32)
+    ties[:8] = [126, 2.5, 3.5, -0.5, -1.5, 0.5, 125.5, -124.5]
     cases = [np.concatenate([gaussian(3000), finite]), gaussian(2048) * 1e30,
-             gaussian(1500) * 1e-30, special[:1], special[:0]]
+             gaussian(1500) * 1e-30, special[:1], special[:0], ties, gaussian(4096) * 7]
     if name == "bf16":
         cases.append(np.concatenate([gaussian(1000), special]))
     codec = make_codec(name)
