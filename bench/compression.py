@@ -22,7 +22,10 @@ column in a Williams order, an MPI barrier before each batch; a batch's figure i
 time per call on the slowest rank; a column's figure is the median over the rounds.
 Error: relative L2 distance of the column's result from the backend's own (exact) one,
 the worst rank's. torch is imported first when installed, as in a PyTorch program (the
-fp16 codec's host casts use torch's conversion when torch is loaded). Rank 0 prints the table (time, speedup over BACKEND, error) and writes
+codecs' host casts and scaling use torch's kernels when torch is loaded), with
+cores / ranks-on-the-host intra-op threads unless OMP_NUM_THREADS says otherwise, as
+torchrun sets for several processes per node. Rank 0 prints the table (time, speedup
+over BACKEND, error) and writes
 CSV, JSON and a PNG plot into --out, named compression_<label>_<ranks>r.
 
 --fsdp STEPS instead trains a small MLP (3 Linear layers, each fully_shard-ed) with
@@ -53,7 +56,13 @@ from timing import interleaved_batches  # noqa: E402
 try:  # loaded as in any PyTorch program: the fp16 codec's host casts then use it
     import torch  # noqa: F401,E402
 except ImportError:
-    pass
+    torch = None
+if torch is not None and "OMP_NUM_THREADS" not in os.environ:
+    # as torchrun does for several processes per node: one intra-op thread each, not a
+    # thread per core in every rank (8 busy threads on 2 cores for 4 ranks)
+    _local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    if _local > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _local))
 import mcrdl_core as mc  # noqa: E402
 from mcrdl_core.compress import Compression  # noqa: E402
 
