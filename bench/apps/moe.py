@@ -61,9 +61,19 @@ class Block:
         return y + self.ffn(y)
 
 
+_TEACHERS: dict = {}
+
+
 def tokens(a, step, rank):
+    """Random tokens (seeded by step and rank) and their targets: a fixed map of the
+    tokens (``tanh(x W)``, W the same on every rank and step), which the model can
+    learn, so that the loss falls (random targets would keep it at their variance)."""
     g = torch.Generator().manual_seed(104729 * step + rank)
-    return torch.randn(a.tokens, a.hidden, generator=g), torch.randn(a.tokens, a.hidden, generator=g)
+    x = torch.randn(a.tokens, a.hidden, generator=g)
+    if a.hidden not in _TEACHERS:
+        gt = torch.Generator().manual_seed(424242)
+        _TEACHERS[a.hidden] = torch.randn(a.hidden, a.hidden, generator=gt) / a.hidden ** 0.5
+    return x, torch.tanh(x @ _TEACHERS[a.hidden])
 
 
 def main():

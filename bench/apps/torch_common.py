@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -96,6 +97,11 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def init(args) -> tuple[int, int]:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # what torchrun does for several processes per node, here under mpiexec too: a
+        # share of the cores each, not a thread per core in every rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     kw = {}
     if args.backend == "mcrdl" and args.pg_options:
         kw["pg_options"] = args.pg_options
