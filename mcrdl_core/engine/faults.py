@@ -49,6 +49,7 @@ last resort off (to measure what the libraries do without it).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import sys
@@ -57,6 +58,7 @@ import time
 
 from ..base import config as _config
 from ..base.errors import CommFailedError, CommTimeoutError, McrdlError
+from . import progress as _progress
 
 log = logging.getLogger("mcrdl.faults")
 
@@ -185,9 +187,30 @@ def _exit_barrier(budget: float) -> bool:
         return False
 
 
+def _finish_unwaited(limit_s: float) -> None:
+    """Async work that was issued and never waited is still in the engine at exit:
+    drive it to completion (bounded by ``limit_s``; errors are logged, nobody waits for
+    them) before the interpreter frees its buffers. A library that finished it later
+    (MPICH inside ``MPI_Finalize``, which runs after Python's teardown) would write
+    into freed memory. Work that still has not completed is kept alive for good (one
+    reference that is never dropped), so its memory stays valid to the end."""
+    eng = _progress.engine()
+    pending = [w for w in list(eng.inflight) if not w.done]
+    if not pending:
+        return
+    try:
+        eng.wait(pending, timeout=limit_s)
+    except Exception as exc:  # a peer that never issued its part, a failed library
+        log.info("mcrdl: %d unwaited work(s) did not complete at exit: %s", len(pending), exc)
+    for w in pending:
+        if not w.done:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(w))
+
+
 def _at_exit() -> None:
     if not _config.get("MCRDL_EXIT_GUARD"):
         return
+    _finish_unwaited(GRACE_S)
     mpi = _mpi_initialized() and _state["mpi_world"]
     if not _faults:
         if mpi:  # the peers with a fault wait for this rank here (see the module doc)
