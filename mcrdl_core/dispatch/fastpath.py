@@ -92,7 +92,7 @@ def _plan(rt, g, buf, backend, op):
     red = ReduceOp.coerce(op)
     _v.reduce_op(red, buf.dtype)
     be = rt.select(Op.ALL_REDUCE, g, buf, backend, red)
-    if rt.table is not None and _sel.algorithm(rt, Op.ALL_REDUCE, g, buf, backend):
+    if _sel.algorithm(rt, Op.ALL_REDUCE, g, buf, backend):
         return be, None, red  # the table names an algorithm here: the general path runs it
     issue = be.fast_all_reduce(g, buf.dtype, red)
     return be, issue, red
@@ -223,8 +223,7 @@ def _plan_op(rt, op, g, buf, backend, red=None, root=None, nbytes=-1):
         red = ReduceOp.coerce(red)
         _v.reduce_op(red, buf.dtype)
     be = rt.select(op, g, buf, backend, red, nbytes)
-    if (op is Op.ALL_TO_ALL and root is None and rt.table is not None
-            and _sel.algorithm(rt, op, g, buf, backend, nbytes)):
+    if op is Op.ALL_TO_ALL and root is None and _sel.algorithm(rt, op, g, buf, backend, nbytes):
         return be, None, red  # the table names an algorithm here: the general path runs it
     issue = be.fast_issuer(op, g, buf.dtype, red, root)
     return be, issue, red

@@ -127,7 +127,7 @@ def run(c: Call):
     red = _reduce_op(c.reduce_op, c.buf)
     sig = c.check(g)
     takeover = c.takeover
-    if c.algorithm is not None and rt.table is not None and c.nbytes is not None:
+    if c.algorithm is not None and c.nbytes is not None:
         name = _selection.algorithm(rt, c.op, g, c.buf, c.backend, c.nbytes)
         if name is not None:
             takeover = functools.partial(c.algorithm, name)

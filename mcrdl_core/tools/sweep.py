@@ -38,6 +38,7 @@ import numpy as np
 from ..base import config as _config
 from ..dispatch import api
 from ..dispatch.runtime import get_runtime
+from ..dispatch.selection import is_algorithm
 from ..memory.cuda import cupy
 
 
@@ -141,7 +142,7 @@ def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=Non
         if op == "all_reduce":
             return lambda: api.all_reduce(x, "avg", **kw)
     elif (op in COMPRESSED_ALGORITHMS and _config.get("MCRDL_COMPRESSION")
-          and not backend.startswith("hier")):  # (hier takes no compression at all)
+          and not is_algorithm(backend)):  # (hier takes no compression at all)
         kw["compression"] = "off"  # a plain column is the backend's own collective
     root = g.ranks[0]
     if op == "all_reduce":
