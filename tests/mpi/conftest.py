@@ -1,8 +1,17 @@
 """Fixtures for tests run on every rank under mpiexec. Every rank collects the same
 tests in the same order, so collectives line up; each rank asserts its own result."""
-import numpy as np
-import pytest
-import torch
+import os
+
+# The JAX tests here are about host arrays (HLO of host callbacks, errors raised from
+# them, float32 references, auto choosing mpi): on a GPU machine JAX would put every
+# array on the GPU, where auto takes nccl (two ranks on one GPU cannot run it) and
+# matmuls use TF32. GPU arrays have their own tests (tests/test_jax_local.py, marked
+# gpu) and bench/gpu_check.py. Set JAX_PLATFORMS yourself to run these on a GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import mcrdl_torch as dist
 

@@ -14,7 +14,7 @@ import pytest
 
 import mcrdl_core as core
 from conftest import RANK, SIZE, SUB_RANKS
-from mcrdl_backends.nccl import id_bytes, nccl_library, share_unique_id
+from mcrdl_backends.nccl import id_bytes, nccl_library, share_unique_id, shared_gpu_reason
 from mcrdl_core.memory import cuda as mc_cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.memory.buffer import Buffer, Device
@@ -194,6 +194,12 @@ def _gpu_backend(backend):
     if reason is None:
         reason = RT.backend(backend).unsupported_reason(Op.ALL_REDUCE, Device("cuda", 0),
                                                         dt.float32, ReduceOp.SUM)
+    if reason is None and backend == "nccl":
+        # NCCL needs a GPU per rank; on one GPU shared by the ranks (a single-GPU
+        # machine) every rank skips alike, from the bus ids every rank gathered
+        dev = BS.local_rank % mc_cuda.device_count()
+        reason = shared_gpu_reason(RT.group(None),
+                                   BS.allgather((BS.hostname(), mc_cuda.pci_bus_id(dev))))
     if reason is not None:
         pytest.skip(reason)
     import cupy as cp
