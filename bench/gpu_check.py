@@ -3,12 +3,13 @@
     .venv/bin/python bench/gpu_check.py        # part 1 here, part 2 under mpiexec -n 2
 
 Part 1 (this process, world size 1): every op on NCCL, MPI and Gloo with CUDA buffers
-(CuPy arrays; torch CUDA tensors when torch is a CUDA build), and the stream-ordering
+(CuPy arrays; torch CUDA tensors when torch is a CUDA build), ``mcrdl_jax``'s calls on
+GPU JAX arrays (every op eagerly, all_reduce and all_gather under jit), and the stream-ordering
 test: a producer kernel is still running on a side stream when the collective is
 issued, and the result read after it on that stream must be the kernel's output.
 Part 2 (``mpiexec -n 2``, both ranks on the one GPU): MPI and Gloo with CUDA buffers
 from CuPy, torch and JAX (inputs from every framework; JAX arrays are immutable, so
-they are inputs only), the stream-ordering test across ranks, and NCCL's verdict (two
+they are inputs only), ``mcrdl_jax`` on GPU arrays, the stream-ordering test across ranks, and NCCL's verdict (two
 ranks on one GPU: the first NCCL call is refused on both ranks, naming them, before
 anything is sent). Part 2 runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX would
 otherwise take 75% of the GPU in each of the two processes), and every skip is
@@ -247,6 +248,131 @@ def torch_stream_order_check(rank, size, backend):
     return run
 
 
+def jax_reason() -> str | None:
+    """Why mcrdl_jax cannot be checked on a GPU here, or None."""
+    try:
+        import jax
+
+        jax.devices("gpu")
+        import mcrdl_jax  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the reason goes in the table
+        return f"mcrdl_jax on a GPU: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def jax_frontend_checks(backend, rank, size):
+    """{name: check} for ``mcrdl_jax``'s own calls on GPU JAX arrays: every op eagerly
+    (results stay on the GPU), bfloat16, and all_reduce and all_gather under jax.jit."""
+    import jax
+    import jax.numpy as jnp
+
+    import mcrdl_jax as mj
+
+    dev = jax.devices("gpu")[0]
+    every = [rank_input(r) for r in range(size)]
+    mine = every[rank]
+    total = np.sum(every, axis=0)
+    blk = N // size
+
+    def put(a):
+        return jax.device_put(a, dev)
+
+    def eq(y, want):
+        where = {d.platform for d in y.devices()}
+        assert where == {"gpu"}, f"the result is on {where}, not the GPU"
+        np.testing.assert_allclose(np.asarray(y).astype(np.float64), want, rtol=1e-5)
+
+    def all_reduce():
+        eq(mj.all_reduce(put(mine), backend=backend), total)
+
+    def all_reduce_bf16():
+        x = put(mine[:64].astype(jnp.bfloat16))
+        y = mj.all_reduce(x, backend=backend)
+        assert y.dtype == jnp.bfloat16, y.dtype
+        want = np.sum([e[:64].astype(jnp.bfloat16).astype(np.float64) for e in every], axis=0)
+        np.testing.assert_allclose(np.asarray(y).astype(np.float64), want, rtol=2e-2)
+
+    def broadcast():
+        eq(mj.broadcast(put(mine), 0, backend=backend), every[0])
+
+    def all_gather():
+        eq(mj.all_gather(put(mine), backend=backend), np.stack(every))
+
+    def reduce_scatter():
+        eq(mj.reduce_scatter(put(mine[:blk * size]), backend=backend),
+           total[rank * blk:(rank + 1) * blk])
+
+    def all_to_all():
+        eq(mj.all_to_all(put(mine[:blk * size]), backend=backend),
+           np.concatenate([every[p][rank * blk:(rank + 1) * blk] for p in range(size)]))
+
+    def gather():
+        y = mj.gather(put(mine), 0, backend=backend)
+        eq(y, np.stack(every) if rank == 0 else mine)
+
+    def scatter():
+        eq(mj.scatter(put(np.stack([e * 2 for e in every])), 0, backend=backend),
+           every[rank] * 2)
+
+    def sendrecv():
+        if size == 1:
+            raise Skip("needs 2 ranks")
+        y = mj.sendrecv(put(mine), put(np.zeros(N, np.float32)), (rank - 1) % size,
+                        (rank + 1) % size, backend=backend)
+        eq(y, every[(rank - 1) % size])
+
+    def jitted(fn, want):
+        def run():
+            if backend == "nccl":
+                raise Skip("under jit, calls run as mpi4jax primitives (mpi) or host "
+                           "callbacks with host arrays, which NCCL cannot take")
+            eq(jax.jit(fn)(put(mine)), want)
+        return run
+
+    checks = {"eager all_reduce": all_reduce, "eager all_reduce bfloat16": all_reduce_bf16,
+              "eager broadcast": broadcast, "eager all_gather": all_gather,
+              "eager reduce_scatter": reduce_scatter, "eager all_to_all": all_to_all,
+              "eager gather": gather, "eager scatter": scatter, "eager sendrecv": sendrecv,
+              "jit all_reduce": jitted(lambda a: mj.all_reduce(a, backend=backend), total),
+              "jit all_gather": jitted(lambda a: mj.all_gather(a, backend=backend),
+                                       np.stack(every))}
+    return checks
+
+
+def jax_stream_order_check(core, backend, rank, size):
+    """The input is the output of a jitted JAX program still running on the GPU when the
+    collective is issued (JAX dispatches asynchronously); the gathered result must hold
+    the program's values: DLPack makes the issuing stream wait for JAX's."""
+    def run():
+        why = agree(core.get_runtime().bootstrap, jax_reason())
+        if why is not None:
+            raise Skip(why)
+        import jax
+        import jax.numpy as jnp
+
+        cp = _cupy()
+        dev = jax.devices("gpu")[0]
+
+        @jax.jit
+        def slow(a, v):
+            m = jax.lax.fori_loop(0, 60, lambda i, m: jnp.tanh(m @ m), a)
+            return m[0, :N] * 1e-30 + v  # exactly v in float32, after all the work
+
+        a = jax.device_put(jnp.full((4096, 4096), 1e-4, jnp.float32), dev)
+        slow(a, jnp.float32(0)).block_until_ready()  # compiled and warm
+        x = slow(a, jnp.float32(rank + 7))
+        still_running = not x.is_ready() if hasattr(x, "is_ready") else None
+        out = cp.zeros(N * size, dtype=cp.float32)
+        core.all_gather_into_tensor(out, x, backend=backend)
+        got = cp.asnumpy(out * 2)
+        np.testing.assert_array_equal(
+            got, np.repeat(np.arange(size, dtype=np.float32) + 7, N) * 2)
+        if still_running is False:
+            raise AssertionError("the JAX program had already finished at issue time; the "
+                                 "check did not test ordering (make the program longer)")
+    return run
+
+
 def run_check(results, part, backend, fw_name, name, fn):
     try:
         fn()
@@ -286,7 +412,8 @@ def _framework(fw_name):
         return None, str(exc)
 
 
-def run_part(core, part, backends, frameworks, rank, size, stream_checks=True):
+def run_part(core, part, backends, frameworks, rank, size, stream_checks=True,
+             jax_frontend=False):
     results = []
     rt = core.get_runtime()
     bs = rt.bootstrap
@@ -303,11 +430,20 @@ def run_part(core, part, backends, frameworks, rank, size, stream_checks=True):
                 continue
             for name, fn in op_checks(core, fw, backend, rank, size).items():
                 run_check(results, part, backend, fw_name, name, fn)
+        if reason is None and jax_frontend:
+            why = agree(bs, jax_reason())
+            if why is not None:
+                run_check(results, part, backend, "mcrdl_jax", "every op", _skipped(why))
+            else:
+                for name, fn in jax_frontend_checks(backend, rank, size).items():
+                    run_check(results, part, backend, "mcrdl_jax", name, fn)
         if reason is None and stream_checks:
             run_check(results, part, backend, "cupy", "stream order (slow producer)",
                       stream_order_check(core, backend, rank, size))
             run_check(results, part, backend, "torch", "stream order (torch.cuda._sleep)",
                       torch_stream_order_check(rank, size, backend))
+            run_check(results, part, backend, "jax", "stream order (jitted JAX producer)",
+                      jax_stream_order_check(core, backend, rank, size))
     return results
 
 
@@ -347,7 +483,7 @@ def part_two(out_path):
     rt = core.init()
     cuda.cupy().cuda.Device(rt.bootstrap.local_rank % cuda.device_count()).use()
     results = run_part(core, "2 ranks, 1 GPU", ["mpi", "gloo"], ["cupy", "torch", "jax"],
-                       rt.rank, rt.world_size)
+                       rt.rank, rt.world_size, jax_frontend=True)
     run_check(results, "2 ranks, 1 GPU", "nccl", "-", "shared GPU refused on both ranks",
               nccl_verdict_check(core))
     every = rt.bootstrap.allgather(results)
@@ -396,10 +532,13 @@ def main(argv=None) -> int:
         print(f"gpu_check: no GPU present ({reason}); nothing to check.")
         return 0
     os.environ.setdefault("MCRDL_TIMEOUT", "120")
+    # JAX would take 75% of the GPU at its first array, leaving torch and CuPy little
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import mcrdl_core as core
 
     core.init()
-    results = run_part(core, "1 rank", ["nccl", "mpi", "gloo"], ["cupy", "torch"], 0, 1)
+    results = run_part(core, "1 rank", ["nccl", "mpi", "gloo"], ["cupy", "torch"], 0, 1,
+                       jax_frontend=True)
     if not args.no_mpiexec:
         bindir = os.path.dirname(sys.executable)
         mpiexec = os.path.join(bindir, "mpiexec")

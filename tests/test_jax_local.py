@@ -8,6 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from mcrdl_core.memory import cuda as mc_cuda
+
+GPU_REASON = mc_cuda.device_reason()
+
 SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -32,7 +38,7 @@ print("ok")
 
 
 def _python(script: str, **env):
-    env = dict(os.environ, MCRDL_TUNING_TABLE="none", JAX_PLATFORMS="cpu", **env)
+    env = dict(os.environ, **{"MCRDL_TUNING_TABLE": "none", "JAX_PLATFORMS": "cpu", **env})
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -88,7 +94,59 @@ print("ok")
 
 
 def test_mpi4jax_without_its_ordered_effect_is_not_used():
+    pytest.importorskip("mpi4jax")
     proc = _python(NO_MPI4JAX_EFFECT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("ok"), proc.stdout
     assert "does not expose its ordered effect" in proc.stderr, proc.stderr
+
+
+GPU_ARRAYS = r"""
+import jax, jax.numpy as jnp, numpy as np
+try:
+    gpu = jax.devices("gpu")[0]
+except RuntimeError as e:
+    print("SKIP:", e)
+    raise SystemExit(0)
+import mcrdl_jax as mj
+from mcrdl_core import ReduceOp
+
+
+def on_gpu(y):
+    assert {d.platform for d in y.devices()} == {"gpu"}, y.devices()
+    return np.asarray(y)
+
+
+ref = np.arange(6.0, dtype=np.float32)
+x = jax.device_put(jnp.asarray(ref), gpu)
+b = jax.device_put(jnp.arange(5.0, dtype=jnp.bfloat16), gpu)
+e = jax.device_put(jnp.zeros((0, 3), jnp.float32), gpu)
+for be in ("nccl", "mpi", "gloo"):
+    np.testing.assert_array_equal(on_gpu(mj.all_reduce(x, backend=be)), ref)
+    np.testing.assert_array_equal(on_gpu(mj.broadcast(x, 0, backend=be)), ref)
+    np.testing.assert_array_equal(on_gpu(mj.all_gather(x, backend=be)), ref[None])
+    np.testing.assert_array_equal(on_gpu(mj.reduce_scatter(x, backend=be)), ref)
+    np.testing.assert_array_equal(on_gpu(mj.all_to_all(x, backend=be, input_split_sizes=[6],
+                                                       output_split_sizes=[6])), ref)
+    y = mj.all_reduce(b, ReduceOp.MAX, backend=be)
+    assert y.dtype == jnp.bfloat16, y.dtype
+    np.testing.assert_array_equal(on_gpu(y).astype(np.float32), np.arange(5.0))
+    assert mj.all_reduce(e, backend=be).shape == (0, 3)
+    np.testing.assert_array_equal(np.asarray(x), ref)  # the input is never changed
+for be in ("mpi", "gloo"):  # under jit: mpi4jax's primitive or the host callback
+    np.testing.assert_array_equal(on_gpu(jax.jit(lambda a: mj.all_reduce(a, backend=be) * 2)(x)),
+                                  ref * 2)
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
+def test_gpu_arrays_eagerly_on_every_backend_and_under_jit():
+    """GPU JAX arrays stay on the GPU: every backend eagerly (nccl included), bfloat16,
+    zero elements, and under jit; the input is left as it was."""
+    proc = _python(GPU_ARRAYS, JAX_PLATFORMS="", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if proc.stdout.startswith("SKIP:"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.strip().endswith("ok"), proc.stdout

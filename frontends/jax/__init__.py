@@ -20,8 +20,9 @@ leading axis unless ``tiled=True``; ``reduce_scatter`` splits the leading axis).
 differentiate so that the cotangent comes back (see ``autodiff.py`` for the rules).
 Before an eager call, work that jitted programs with communication left in flight is
 waited for (``jax.effects_barrier``), so that eager and jitted calls on one
-communicator never overlap. Arrays on one CPU device; GPU JAX arrays go through
-mcrdl_core's calls (DLPack, every backend) and are refused here with that advice.
+communicator never overlap. Each process passes arrays on one device: a CPU, or a CUDA
+GPU (eager calls on GPU arrays: ``gpu.py``, any backend, nccl included; under ``jit``
+they take the same lowering as CPU arrays).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from mcrdl_core import ReduceOp  # noqa: F401  (public name)
 from mcrdl_core.base.errors import InvalidArgumentError
 
 from . import eager as _eager
+from . import gpu as _gpu
 from .compat import check_internals, trace_state_clean
 from .shapes import leading_blocks
 
@@ -72,14 +74,12 @@ def _path(*xs):
     if len(xs) == 1 and type(xs[0]) is _ARRAY:
         if not _trace_state_clean():
             return _diff()
-        _eager.ready(xs[0])
-        return _eager
+        return _gpu if _eager.ready(xs[0]) else _eager
     for i, x in enumerate(xs):
         _check(x, "x" if i == 0 else "like")
     if traced(*xs):
         return _diff()
-    _eager.ready(*xs)
-    return _eager
+    return _gpu if _eager.ready(*xs) else _eager
 
 
 def _splits(s):

@@ -54,7 +54,7 @@ from mcrdl_core.observe import debug as _debug
 from mcrdl_core.base.errors import UnsupportedError
 from mcrdl_core.base.ops import ReduceOp
 
-from . import eager, lowering
+from . import eager, gpu, lowering
 from .compat import trace_state_clean
 
 _trace_state_clean = trace_state_clean()
@@ -73,8 +73,7 @@ def run(name, arrays, statics):
     ones (the jit lowering, mappable). Derivative rules run eagerly under an eager
     ``jax.grad``, and the vmap rule under an eager ``jax.vmap``: both come here."""
     if concrete(*arrays) and _trace_state_clean():
-        eager.ready(*arrays)
-        return getattr(eager, name)(*arrays, *statics)
+        return getattr(gpu if eager.ready(*arrays) else eager, name)(*arrays, *statics)
     return _mappable(name, list(arrays), statics)
 
 

@@ -26,11 +26,12 @@ def saw_traced_call() -> None:
         _JITTED.append(True)
 
 
-def placement(x, what: str) -> None:
-    """Concrete JAX arrays must live on one CPU device (GPU JAX arrays: go through
-    ``mcrdl_core``'s calls, which take them by DLPack; see docs/gpu.md)."""
+def placement(x, what: str) -> str | None:
+    """The platform of a concrete JAX array ("cpu" or "gpu"; None for anything else,
+    e.g. a NumPy array). Each process passes its own single-device array; GPU arrays
+    take ``gpu.py``'s path. Other platforms are refused with what to do."""
     if not isinstance(x, jax.Array):
-        return
+        return None
     dev = getattr(x.sharding, "_device", None)
     if dev is None:
         devs = x.devices()
@@ -39,22 +40,30 @@ def placement(x, what: str) -> None:
                 f"mcrdl_jax: {what} is sharded over {len(devs)} devices; each process passes "
                 "its own single-device array (x.addressable_shards[0].data)")
         dev = next(iter(devs))
-    if dev.platform != "cpu":
+    if dev.platform not in ("cpu", "gpu"):
         raise UnsupportedError(
-            f"mcrdl_jax: {what} is on {dev.platform}; mcrdl_jax handles CPU arrays so far. "
-            "Pass GPU arrays to mcrdl_core's calls (mcrdl_core.all_reduce(x, ...)), which take "
-            "them through DLPack on every backend")
+            f"mcrdl_jax: {what} is on {dev.platform}; mcrdl_jax handles CPU and CUDA GPU "
+            "arrays. Move it with jax.device_put(x, jax.devices('cpu')[0])")
+    return dev.platform
 
 
-def ready(*xs) -> None:
+def ready(*xs) -> bool:
     """Before any eager call, from the public API or from a derivative rule run eagerly
     under ``jax.grad``: the arrays' placement is checked, and communication that jitted
     programs left in flight is waited for (``jax.effects_barrier``), so that eager and
-    jitted calls on one communicator never overlap."""
-    for i, x in enumerate(xs):
-        placement(x, "like" if i else "x")
+    jitted calls on one communicator never overlap. True when the arrays are on a GPU
+    (then ``gpu.py`` runs the call); arrays on a CPU and a GPU in one call are refused."""
+    if len(xs) == 1:
+        on_gpu = placement(xs[0], "x") == "gpu"
+    else:
+        where = {placement(x, "like" if i else "x") for i, x in enumerate(xs)} - {None}
+        if len(where) > 1:
+            raise InvalidArgumentError(
+                "mcrdl_jax: the arrays of one call are on a CPU and a GPU; put them on one")
+        on_gpu = "gpu" in where
     if _JITTED:
         jax.effects_barrier()
+    return on_gpu
 
 _TOKEN = []
 
