@@ -111,7 +111,7 @@ class FakeCupy:
 
         self.cuda = type("cuda", (), {"Device": Device, "Stream": Stream, "runtime": Runtime,
                                       "Event": Event, "ExternalStream": staticmethod(external_stream),
-                                      "get_current_stream": staticmethod(lambda: cp.current)})
+                                      "get_current_stream": staticmethod(lambda device_id=-1: cp.current)})
         self.current = FakeStream(ptr=0x77)
         self.uint8 = "uint8"
 

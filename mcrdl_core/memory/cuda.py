@@ -107,11 +107,23 @@ def current_stream(buf: Buffer) -> int:
     if buf.origin is not None:
         buf = buf.origin
     if _framework(root_owner(buf)) == "torch":
+        return _torch_stream()(buf.device.index)
+    return cupy().cuda.get_current_stream(buf.device.index).ptr
+
+
+_TORCH_STREAM: list = []  # memo: device index -> torch's current raw stream handle
+
+
+def _torch_stream():
+    """torch's current stream handle on a device, as a function of the device index:
+    ``torch._C._cuda_getCurrentRawStream`` where torch has it (about 0.1 µs; the public
+    ``torch.cuda.current_stream(i).cuda_stream`` builds a Stream object, about 1.4 µs)."""
+    if not _TORCH_STREAM:
         torch = sys.modules["torch"]  # loaded already: the buffer is a torch tensor
-        return torch.cuda.current_stream(buf.device.index).cuda_stream
-    cp = cupy()
-    with cp.cuda.Device(buf.device.index):
-        return cp.cuda.get_current_stream().ptr
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH_STREAM.append(raw if raw is not None
+                             else (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return _TORCH_STREAM[0]
 
 
 def producer_stream(buf: Buffer) -> int:

@@ -147,8 +147,7 @@ def consumer_stream(obj):
     try:
         import cupy
 
-        with cupy.cuda.Device(index):
-            ptr = cupy.cuda.get_current_stream().ptr
+        ptr = cupy.cuda.get_current_stream(index).ptr
     except Exception:  # noqa: BLE001 - no CuPy, or no usable device: legacy semantics
         return None
     return ptr or 1
