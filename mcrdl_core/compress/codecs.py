@@ -351,6 +351,8 @@ class FP16(_Blocked):
             xp.multiply(x2, inv[:, None], out=h, casting="unsafe")
         if bool(slow.any()):
             h[slow] = xp.ldexp(x2[slow], -k[slow][:, None])
+        if xp is not np:
+            _host_nans(h, x2, xp)
 
     def _decode_rows(self, words, payload, out2) -> None:
         xp = _xp(out2)
@@ -422,6 +424,15 @@ def _bf16_cast(dst, src) -> bool:
         torch.from_numpy(dst).copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
         return True
     return False
+
+
+def _host_nans(h, x, xp) -> None:
+    """NaN as the host writes it in float16 (torch's cast, and NumPy's of the usual NaN):
+    the sign and 0x7E00. CUDA's cast writes 0x7FFF for every NaN, which decodes the
+    same but would make a GPU-encoded message differ from a host-encoded one."""
+    nan = xp.isnan(x)
+    if bool(nan.any()):
+        h.view(xp.uint16)[nan] = xp.where(xp.signbit(x[nan]), 0xFE00, 0x7E00).astype(xp.uint16)
 
 
 def _half_scaled(dst, src, factor) -> bool:
