@@ -126,10 +126,21 @@ def nccl_library():
                     detail = str(exc)
                 mod, reason = None, detail
             if reason is not None:
+                major = _cuda_major()
+                extra = "gpu" if major == 12 else f"gpu-cuda{major}"
                 reason = (f"the NCCL library cannot be loaded by CuPy ({reason}); install it "
-                          "with pip install nvidia-nccl-cu12 (part of 'mcr-dl[gpu]')")
+                          f"with pip install nvidia-nccl-cu{major} (part of 'mcr-dl[{extra}]')")
         _LIB.append((mod, reason))
     return _LIB[0]
+
+
+def _cuda_major() -> int:
+    """The CUDA major version CuPy was built for (12 or 13: the suffix of the NCCL wheel
+    it loads), 12 if CuPy cannot say."""
+    try:
+        return _cuda.cupy().cuda.runtime.runtimeGetVersion() // 1000
+    except Exception:  # noqa: BLE001 - no CUDA runtime library: name the default wheel
+        return 12
 
 
 def _nccl():

@@ -66,7 +66,10 @@ def test_reason_when_cupy_is_missing():
 def test_reason_when_the_nccl_library_is_missing():
     why = _reason_with_module_blocked("cupy_backends.cuda.libs.nccl", "n.nccl_library()")
     assert "(None, " in why and "the NCCL library cannot be loaded by CuPy" in why
-    assert "nvidia-nccl-cu12" in why
+    # the wheel of CuPy's CUDA major version (cupy-cuda13x names nvidia-nccl-cu13)
+    major = mc_cuda.cupy().cuda.runtime.runtimeGetVersion() // 1000
+    assert f"nvidia-nccl-cu{major}" in why, why
+    assert ("'mcr-dl[gpu]'" if major == 12 else f"'mcr-dl[gpu-cuda{major}]'") in why, why
 
 
 def test_nccl_capabilities_without_a_gpu():
@@ -277,4 +280,6 @@ def test_stream_order_with_a_slow_producer_kernel():
         assert not s.done  # the producer is still running when the call is issued
         core.all_gather_into_tensor(out, x, backend="nccl")
         doubled = out * 2  # the caller's later work on its stream sees the result
-    assert float(doubled.get().min()) == 14.0
+        # read on s too: a non-blocking stream does not order against the null stream
+        got = doubled.get(stream=s)
+    assert float(got.min()) == 14.0
