@@ -207,6 +207,21 @@ def test_repair_gives_lost_ranges_back_to_the_policy_only():
     assert fixed == [[None, "mpi"]] and notes == ["65 B–1 KiB: gloo -> mpi"]
 
 
+def test_a_loss_the_policy_cannot_fix_keeps_the_range():
+    """Barrier on CUDA buffers, tuned on an H200: the table's mpi lost by 2 µs to mpi
+    itself (auto's own path), and the policy's nccl measured 9x slower. Giving the range
+    back to the policy, or not using it at load, would make every call slower."""
+    ranges = [[None, "mpi"]]
+    pts = [point(0, "mpi", 11.9, mpi=10.0, nccl=89.1)]
+    assert pts[0]["verdict"] == "lost"
+    assert range_status(ranges, pts, "nccl") == ["missed"]
+    assert tuning.repair(ranges, pts, "nccl") == ([[None, "mpi"]], [])
+    # the same loss where the policy is faster than the range's backend: repaired
+    pts = [point(0, "mpi", 11.9, mpi=10.0, nccl=5.0)]
+    assert range_status(ranges, pts, "nccl") == ["lost"]
+    assert tuning.repair(ranges, pts, "nccl")[0] == [[None, "nccl"]]
+
+
 def table_with_points(pts):
     e = {"op": "all_reduce", "world_size": 2, "hosts": 1, "device": "cpu",
          "dtype_class": "float", "ranges": [[1024, "mpi"], [None, "gloo"]],

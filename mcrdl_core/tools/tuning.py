@@ -413,7 +413,8 @@ def verify_point(size: int, auto_backend: str, figures: dict, margin: float = MA
 def repair(ranges: list, points: list, policy: str) -> tuple[list, list[str]]:
     """Ranges with every range that lost at a verification point and is not the
     policy's backend given back to ``policy`` (neighbours merged), and a line per
-    change. A lost policy range stays: the table is no worse than the default there."""
+    change. A lost policy range stays, and so does a range whose backend measured faster
+    than the policy's (``range_status``): the table is no worse than the default there."""
     status = range_status(ranges, points, policy)
     out, notes, lo = [], [], 0
     for (hi, b), st in zip(ranges, status):
@@ -458,7 +459,7 @@ def verification_line(op: str, points: list, ranges: list, policy: str, notes=()
                + "; ".join(f"{fmt_bytes(p['bytes'])} {p['auto']} vs {p['against']} "
                            f"x{1 / p['ratio']:.2f}" for p in lost[:3]) + ")")
     if "missed" in status:
-        verdict += "; a faster backend exists in a policy range (kept: no worse than the default)"
+        verdict += "; a faster backend exists (range kept: the default is no faster there)"
     if notes:
         verdict += "; repaired " + ", ".join(notes)
     return (f"{op:15s} {t['points']:3d} points: auto {t['totals_s']['auto'] * 1e6:.1f} µs"
