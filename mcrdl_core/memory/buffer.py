@@ -110,8 +110,8 @@ class Buffer:
     def from_cupy(cls, arr) -> "Buffer":
         """Zero-copy view of a CuPy array, read from its attributes: what ``from_dlpack``
         gives (the same pointer, shape, strides and device, and CuPy's current stream on
-        the array's device as the producer stream) without making and parsing a capsule,
-        which is most of the cost of a small call on NCCL."""
+        the array's device as the producer stream) without making and parsing a DLPack
+        capsule on every call."""
         dt = _dt.BY_NP.get(arr.dtype) or _dt.lookup(arr.dtype)
         isz = arr.itemsize
         strides = None if arr.flags.c_contiguous else tuple(s // isz for s in arr.strides)
