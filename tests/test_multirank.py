@@ -1,11 +1,13 @@
 """Launch the multi-rank suite (tests/mpi/) under mpiexec at 1, 2 and 3 ranks, its
 process-group files again under torchrun at 3 ranks, and a Gloo job under torchrun. A hang is a failure: each launch has a hard timeout, each
 inner test has pytest-timeout, and every MCR-DL wait has MCRDL_TIMEOUT."""
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,19 @@ BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
 
 
+#: one JAX compilation cache for every launch of this session: the 1-, 2- and 3-rank
+#: launches jit the same programs, and the later ones load them instead of compiling
+#: (test_jax_autodiff.py at 2 ranks: 32 s cold, 18 s from the cache). Programs with
+#: host callbacks are never cached by JAX; a fresh directory each session.
+_JAX_CACHE = tempfile.mkdtemp(prefix="mcrdl-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, True)
+
+
 def _env(**extra):
     env = dict(os.environ)
+    env.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     env.update(MCRDL_MPI_TESTS="1", MCRDL_TIMEOUT="60", PYTHONUNBUFFERED="1",
                MCRDL_TUNING_TABLE="none",  # a table left by `make demo` must not steer tests
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
