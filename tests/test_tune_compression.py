@@ -8,7 +8,7 @@ import pytest
 
 from mcrdl_core import dtypes
 from mcrdl_core.tools import sweep, tuning
-from mcrdl_core.tools.cli import _tune_codecs
+from mcrdl_core.tools.cli import _tune_codecs, tuned_ops
 from mcrdl_core.compress import auto
 from mcrdl_core.compress.auto import Auto
 from mcrdl_core.compress.spec import Compression, parse
@@ -194,3 +194,11 @@ def test_tune_codecs_are_checked_before_anything_runs():
             _tune_codecs(text, "cuda" if text.startswith("zfp") else "cpu", ops)
     with pytest.raises(SystemExit, match="--ops"):
         _tune_codecs("int8", "cpu", ["broadcast"])
+
+
+def test_a_cuda_tune_leaves_barrier_to_the_host_tune():
+    """A cuda barrier entry would never be read (a barrier on CUDA is selected only for a
+    named backend, which comes before the table)."""
+    ops = ["all_reduce", "barrier", "send_recv"]
+    assert tuned_ops(ops, "cuda") == ["all_reduce", "send_recv"]
+    assert tuned_ops(ops, "cpu") == ops

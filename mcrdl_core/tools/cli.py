@@ -176,7 +176,17 @@ def _print_load(report: dict, when: str) -> None:
               "(docs/tuning.md). Tune again on a quiet machine for the crossovers.")
 
 
+def tuned_ops(ops, device: str) -> list:
+    """The ops a tune measures on ``device``. Barrier on CUDA buffers is left out: a
+    barrier is selected with a CUDA probe only when a backend is named for it (nccl as
+    the group's default, say), and a named backend comes before the table, so a cuda
+    barrier entry would never be read (an H200 tune wrote one, verified against the host
+    barrier auto actually ran). Barriers take their entry from the host tune."""
+    return [op for op in ops if not (device == "cuda" and op == "barrier")]
+
+
 def cmd_tune(args) -> int:
+    args.ops = tuned_ops(args.ops, args.device)
     codecs = _tune_codecs(args.compression, args.device, args.ops)
     if os.environ.pop("MCRDL_COMPRESSION", None):  # else plain columns would be compressed
         logging.getLogger("mcrdl.tune").warning(
