@@ -12,7 +12,7 @@ import torch
 from mcrdl_core.memory import alloc
 from mcrdl_core import dtypes as dt
 from mcrdl_core.memory.buffer import Buffer, as_buffer
-from mcrdl_core.base.errors import DtypeError, TableError
+from mcrdl_core.base.errors import DtypeError, InvalidArgumentError, TableError
 from mcrdl_core.dispatch.selection import TuningTable, parse_override
 
 
@@ -46,6 +46,14 @@ def test_buffer_strides_span_and_lifetime():
     view = b.host()
     del t, b  # the view keeps the producer's memory alive
     assert view[3, 2] == 11.0
+
+
+def test_buffer_refuses_strides_that_are_not_whole_elements():
+    raw = np.zeros(16, np.uint8)
+    odd = np.ndarray((3,), np.float32, buffer=raw, strides=(5,))  # 5-byte steps
+    with pytest.raises(InvalidArgumentError, match=r"np\.ascontiguousarray"):
+        Buffer.from_numpy(odd)
+    assert Buffer.from_numpy(np.zeros(8, np.float32)[::2]).strides == (2,)
 
 
 def test_buffer_numpy_bfloat16_and_readonly():

@@ -95,11 +95,7 @@ class Buffer:
             buf = cls(ptr, arr.shape, dt, CPU, None, False, arr)
             buf._host = arr
             return buf
-        isz = arr.itemsize
-        strides = None if flags.c_contiguous else tuple(s // isz for s in arr.strides)
-        if strides is not None and any(s * isz != b for s, b in zip(strides, arr.strides)):
-            raise InvalidArgumentError("array strides are not a multiple of its item size; "
-                                       "pass np.ascontiguousarray(arr)")
+        strides = _element_strides(arr, "np")
         buf = cls(arr.__array_interface__["data"][0], arr.shape, dt, CPU, strides,
                   not arr.flags.writeable, arr)
         if not buf.readonly and strides is None:
@@ -113,11 +109,7 @@ class Buffer:
         the array's device as the producer stream) without making and parsing a DLPack
         capsule on every call."""
         dt = _dt.BY_NP.get(arr.dtype) or _dt.lookup(arr.dtype)
-        isz = arr.itemsize
-        strides = None if arr.flags.c_contiguous else tuple(s // isz for s in arr.strides)
-        if strides is not None and any(s * isz != b for s, b in zip(strides, arr.strides)):
-            raise InvalidArgumentError("array strides are not a multiple of its item size; "
-                                       "pass cupy.ascontiguousarray(arr)")
+        strides = _element_strides(arr, "cupy")
         index = arr.device.id
         buf = cls(arr.data.ptr, arr.shape, dt, Device("cuda", index), strides, False, arr)
         buf.stream = sys.modules["cupy"].cuda.get_current_stream(index).ptr
@@ -209,6 +201,19 @@ class Buffer:
 
     def __repr__(self) -> str:
         return f"Buffer({self.describe()}, ptr=0x{self.ptr:x}{', readonly' if self.readonly else ''})"
+
+
+def _element_strides(arr, module: str) -> tuple | None:
+    """An array's strides in elements (None when C-contiguous), from a NumPy or CuPy
+    array's byte strides; strides that are not whole elements are refused."""
+    if arr.flags.c_contiguous:
+        return None
+    isz = arr.itemsize
+    strides = tuple(s // isz for s in arr.strides)
+    if any(s * isz != b for s, b in zip(strides, arr.strides)):
+        raise InvalidArgumentError("array strides are not a multiple of its item size; "
+                                   f"pass {module}.ascontiguousarray(arr)")
+    return strides
 
 
 def _compact_strides(shape: tuple) -> tuple:
