@@ -28,6 +28,7 @@ from mcrdl_core.memory import cuda as _cuda
 from mcrdl_core.memory.buffer import Buffer, Device
 
 from .eager import token
+from .host import size as _size
 from .shapes import leading_blocks
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -90,10 +91,6 @@ def _jax_device(index: int):
 
 def _rank() -> int:
     return _core.get_rank()
-
-
-def _size(group) -> int:
-    return _core.get_world_size(group)
 
 
 def all_reduce(x, op, group, backend, compression=None):
