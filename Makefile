@@ -27,7 +27,14 @@ $(STAMP): pyproject.toml Makefile
 	CUDA_PATH=$(abspath $(VENV))/no-cuda $(PY) -m pip install -q -e '.[mpich,torch,jax,test,bench,gpu]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# the MPI backend's compiled hot path (backends/mpi_fast.c), against the venv's MPICH;
+# rebuilt when its source changes (without it the fast path issues through mpi4py)
+FAST := $(VENV)/.mcrdl-mpi-fast
+$(FAST): $(STAMP) backends/mpi_fast.c backends/build.py
+	$(PY) -m mcrdl_backends.build
+	touch $(FAST)
+
+install: $(STAMP) $(FAST)
 
 # tune on 2 local ranks (short size range), then bench auto against each backend
 demo: install

@@ -44,6 +44,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from mcrdl_core.base import config as _config
 from mcrdl_core.memory import cuda as _cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.world import mpi_setup as _setup
@@ -176,6 +177,39 @@ class _Reducible:
             np.divide(arr, self.n, out=arr, casting="unsafe")
         if self.work_buf is not self.buf:
             np.copyto(self.buf.host(), arr, casting="unsafe")
+
+
+try:  # the compiled hot path: built by mcrdl_backends.build (make install), not by pip
+    from . import mpi_fast
+except ImportError as _exc:
+    mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
+
+_FAST_VERSION = 1  # mpi_fast.c's VERSION that this module's calls are written for
+_COMPILED: list = []
+
+
+def compiled():
+    """(the compiled hot path module ``mpi_fast``, or None; why not). Checked once: a
+    module built against another MPI library than mpi4py's is refused (its handles would
+    mean nothing there)."""
+    if not _COMPILED:
+        if mpi_fast is None:
+            _COMPILED.append((None, _NOT_BUILT))
+        elif getattr(mpi_fast, "VERSION", None) != _FAST_VERSION:
+            _COMPILED.append((None, "built from another version of mpi_fast.c: rebuild "
+                                    "with python -m mcrdl_backends.build"))
+        elif (mpi_fast.library_version() != MPI.Get_library_version()
+              or mpi_fast.world_handle() != MPI.COMM_WORLD.handle):
+            _COMPILED.append((None, "built against another MPI library than mpi4py's: "
+                                    "rebuild with python -m mcrdl_backends.build"))
+        else:
+            _COMPILED.append((mpi_fast, "built"))
+    return _COMPILED[0]
+
+
+def fast_module():
+    """The compiled module if built and ``MCRDL_MPI_FAST`` is on, else None."""
+    return compiled()[0] if _config.get("MCRDL_MPI_FAST") else None
 
 
 _CUDA_SUPPORT: list = []
@@ -359,6 +393,9 @@ class MPIBackend(Backend):
         floats are reduced upcast, AVG divides at the end): those take the general path."""
         if dtype.is_half or op is ReduceOp.AVG or dtype not in _TYPES:
             return None
+        compiled = self.fast_blocking(Op.ALL_REDUCE, group, dtype, op)
+        if compiled is not None:  # the same call, compiled, never polled (spin < 0)
+            return functools.partial(compiled, -1.0)
         iallreduce = self.comm(group).Iallreduce
         fromaddress, in_place = MPI.buffer.fromaddress, MPI.IN_PLACE
         mtype, mop, isz = _TYPES[dtype], _OPS[op], dtype.itemsize
@@ -384,11 +421,21 @@ class MPIBackend(Backend):
         - send, recv: ``(ptr, count, group rank or None, tag)``; a receive's request also
           tells its source (``source()``)
         - barrier: ``()``; ``Ibarrier``
+
+        With the compiled module in use (``fast_module``) the issuer is its function of
+        the op, not polled (``fast_blocking`` with a negative spin).
         """
         if dtype is not None and dtype not in _TYPES:
             return None
         if red is not None and (dtype.is_half or red is ReduceOp.AVG):
             return None
+        compiled = self.fast_blocking(op, group, dtype, red, root)
+        if compiled is not None and op is Op.RECV:
+            def compiled_recv(ptr, count, peer, tag):
+                return _RecvRequest(compiled(-1.0, ptr, count, peer, tag)[0], MPI.Status())
+            return compiled_recv
+        if compiled is not None:  # the same call, compiled, never polled (spin < 0)
+            return functools.partial(compiled, -1.0)
         comm = self.comm(group)
         if op is Op.BARRIER:
             return comm.Ibarrier
@@ -444,6 +491,50 @@ class MPIBackend(Backend):
                 return _RecvRequest(req, status)
             return issue_recv
         return None
+
+    def fast_blocking(self, op, group, dtype, red=None, root=None):
+        """The compiled form of ``fast_issuer``'s issuer for blocking calls (see
+        ``mpi_fast.c``): ``blocking(spin_s, *args)`` with the issuer's arguments issues
+        the same nonblocking MPI call and polls it for at most ``spin_s`` seconds;
+        it returns None if it completed (a receive: the source's group rank), else what
+        ``fast_request`` turns into the pending request. None where the module is not in
+        use (``fast_module``), and for the ops it does not cover (uneven all-to-all:
+        MPI reads its count arrays until completion, which mpi4py keeps alive)."""
+        c = fast_module()
+        if c is None or (dtype is not None and dtype not in _TYPES):
+            return None
+        if red is not None and (dtype.is_half or red is ReduceOp.AVG):
+            return None
+        comm = self.comm(group).handle
+        if op is Op.BARRIER:
+            return functools.partial(c.barrier, comm)
+        mtype = _TYPES[dtype].handle
+        if op is Op.ALL_REDUCE:
+            return functools.partial(c.allreduce, comm, mtype, _OPS[red].handle)
+        if op is Op.BROADCAST:
+            return functools.partial(c.bcast, comm, mtype, root)
+        if op is Op.REDUCE:
+            return functools.partial(c.reduce, comm, mtype, _OPS[red].handle, root,
+                                     group.rank == root)
+        if op is Op.ALL_GATHER:
+            return functools.partial(c.allgather, comm, mtype)
+        if op is Op.REDUCE_SCATTER:
+            return functools.partial(c.reduce_scatter, comm, mtype, _OPS[red].handle)
+        if op is Op.ALL_TO_ALL and root is None:
+            return functools.partial(c.alltoall, comm, mtype)
+        if op is Op.SEND:
+            return functools.partial(c.send, comm, mtype)
+        if op is Op.RECV:
+            return functools.partial(c.recv, comm, mtype)
+        return None
+
+    @staticmethod
+    def fast_request(left):
+        """The pending request a ``fast_blocking`` call left (an mpi4py Request; a
+        receive's in a 1-tuple), as ``fast_issuer``'s issuer would have returned it."""
+        if left.__class__ is tuple:
+            return _RecvRequest(left[0], MPI.Status())
+        return left
 
     def fast_work(self, op, group, req, spans, keep):
         """The Work of a request an issuer of ``fast_issuer`` made, without the

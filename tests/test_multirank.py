@@ -133,6 +133,25 @@ def test_process_group_suite_under_torchrun(tmp_path):
 
 
 @pytest.mark.multirank
+def test_fast_path_through_mpi4py_issuers(tmp_path):
+    """The fast path's files at 3 ranks with MCRDL_MPI_FAST=0: the mpi4py issuers that
+    run where the compiled module is not built (the suite's launches use the module)."""
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", "--timeout=120", "-o", "addopts=", "test_fastpath.py",
+           "test_fastpath_ops.py"]
+    proc = _run(cmd, 300, _env(MCRDL_RESULTS_DIR=str(tmp_path), MCRDL_MPI_FAST="0"))
+    out = proc.stdout + proc.stderr
+    tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
+    assert sorted(tallies) == [0, 1, 2], f"a rank reported nothing:\n{out[-4000:]}"
+    for r, t in tallies.items():
+        assert t["failed"] == 0 and t["error"] == 0, (r, t)
+        assert t["passed"] >= 100, (r, t)
+        used = [i for i in t["passed_ids"] if "compiled_issuer_is_used" in i]
+        assert len(used) == 1, (r, used)  # there: no plan has the compiled issuer
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("nranks,per_host", [(4, 2), (6, 3)])
 def test_hierarchical_all_reduce_on_emulated_hosts(nranks, per_host, tmp_path):
     """tests/mpi/test_hier.py where the bootstrap groups every ``per_host`` consecutive

@@ -99,6 +99,10 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "algorithms group): to test them on one machine", _int),
     Var("MCRDL_SPIN_US", "float, µs", 100.0, "`100`",
         "how long a wait spins before it yields the CPU (and the fast path polls)", _float),
+    Var("MCRDL_MPI_FAST", "bool", True, "on",
+        "small MPI calls issue and poll through the compiled module "
+        "(`python -m mcrdl_backends.build`, run by `make install`) where it is built; off: "
+        "through mpi4py", _bool),
     Var("MCRDL_COMM_LOG", "bool", False, "off",
         "turn the comm logger on ([docs/logger.md](docs/logger.md))", _bool),
     Var("MCRDL_MPI_CUDA_AWARE", "bool", None, "asked of the library",

@@ -87,15 +87,16 @@ _TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime.choice
 
 
 def _plan(rt, g, buf, backend, op):
-    """(backend instance, issuer or None, reduce op) for this key, running the general
-    path's checks and selection (which raise its errors)."""
+    """(backend instance, issuer or None, reduce op, compiled issuer or None) for this
+    key, running the general path's checks and selection (which raise its errors)."""
     red = ReduceOp.coerce(op)
     _v.reduce_op(red, buf.dtype)
     be = rt.select(Op.ALL_REDUCE, g, buf, backend, red)
     if _sel.algorithm(rt, Op.ALL_REDUCE, g, buf, backend):
-        return be, None, red  # the table names an algorithm here: the general path runs it
+        return be, None, red, None  # the table names an algorithm: the general path runs it
     issue = be.fast_all_reduce(g, buf.dtype, red)
-    return be, issue, red
+    blocking = None if issue is None else be.fast_blocking(Op.ALL_REDUCE, g, buf.dtype, red)
+    return be, issue, red, blocking
 
 
 def all_reduce(rt, buf, op, group, async_op: bool, backend):
@@ -148,13 +149,22 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         if buf is None:
             return MISS
         plan = choice[key] = _plan(rt, g, buf, backend, op)
-    be, issue, _ = plan
+    be, issue, _, blocking = plan
     eng = rt.engine
     if issue is None or eng.inflight or eng.pending:
         return MISS
     logging_on = rt.logger.enabled
     if logging_on:
         t0 = time.perf_counter()
+    if blocking is not None and not async_op:
+        left = blocking(eng.spin_s, mem, count)  # issue and poll, compiled
+        if left is not None:  # not done within the spin: the engine's loop
+            be.work_of(Op.ALL_REDUCE, g, be.fast_request(left), _address(mem),
+                       count * dtype.itemsize, owner).wait()
+        if logging_on:
+            rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
+                                      time.perf_counter() - t0))
+        return None
     req = issue(mem, count)
     if async_op:
         nbytes = count * dtype.itemsize
@@ -217,16 +227,18 @@ _T_UNEVEN = "fast:all_to_all_v"
 
 
 def _plan_op(rt, op, g, buf, backend, red=None, root=None, nbytes=-1):
-    """(backend instance, issuer or None, reduce op) of one key: the general path's
-    checks (which raise its errors) and selection, then the backend's issuer."""
+    """(backend instance, issuer or None, reduce op, compiled issuer or None) of one
+    key: the general path's checks (which raise its errors) and selection, then the
+    backend's issuers."""
     if red is not None:
         red = ReduceOp.coerce(red)
         _v.reduce_op(red, buf.dtype)
     be = rt.select(op, g, buf, backend, red, nbytes)
     if op is Op.ALL_TO_ALL and root is None and _sel.algorithm(rt, op, g, buf, backend, nbytes):
-        return be, None, red  # the table names an algorithm here: the general path runs it
+        return be, None, red, None  # the table names an algorithm: the general path runs it
     issue = be.fast_issuer(op, g, buf.dtype, red, root)
-    return be, issue, red
+    blocking = None if issue is None else be.fast_blocking(op, g, buf.dtype, red, root)
+    return be, issue, red, blocking
 
 
 def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
@@ -257,23 +269,32 @@ def _conflicts(inflight, spans) -> bool:
     return False
 
 
-def _run(rt, be, op, g, issue, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
-         req_back=False):
-    """Issue ``issue(*args)`` and finish the call: register it (async) or complete it
-    (blocking: spin on the request alone while nothing else is in flight, else the
-    engine's wait). ``[rlo, rhi)`` is the memory the call reads, ``[wlo, whi)`` what it
-    writes (empty: equal bounds). Returns the Work (async), None (blocking; the
-    completed request if ``req_back``), or MISS, before anything is issued, if memory
-    conflicts with work in flight or deferred work is pending."""
+def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
+         source=False):
+    """Issue the ``plan``'s call on ``args`` and finish it: register it (async) or
+    complete it (blocking: poll the request alone while nothing else is in flight, else
+    the engine's wait). ``[rlo, rhi)`` is the memory the call reads, ``[wlo, whi)`` what
+    it writes (empty: equal bounds). Returns the Work (async), None (blocking; a
+    receive's source group rank if ``source``), or MISS, before anything is issued, if
+    memory conflicts with work in flight or deferred work is pending."""
+    be, issue, _, blocking = plan
     eng = rt.engine
     inflight = eng.inflight
     if not (async_op or inflight or eng.pending or rt.logger.enabled):
-        # the common case, first and lean (half the cost of the general code below): a
-        # blocking call alone on this rank, then the engine's wait with its timeout
-        req = issue(*args)
-        if not _done_alone(eng, req):
-            be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
-        return req if req_back else None
+        # the common case, first and lean: a blocking call alone on this rank, issued
+        # and polled by the compiled issuer if there is one, then the engine's wait
+        # with its timeout if it did not complete within the spin
+        if blocking is not None:
+            left = blocking(eng.spin_s, *args)
+            if left is None or (source and left.__class__ is int):
+                return left  # done (a receive: its source)
+            req = be.fast_request(left)
+        else:
+            req = issue(*args)
+            if _done_alone(eng, req):
+                return req.source() if source else None
+        be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
+        return req.source() if source else None
     if inflight or async_op:
         spans = ((rlo, rhi, False), (wlo, whi, True))
         if eng.pending or (inflight and _conflicts(inflight, spans)):
@@ -290,7 +311,7 @@ def _run(rt, be, op, g, issue, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
         if logging_on:
             rt.logger.records.append((op.value, nbytes, be.name, g.size,
                                       time.perf_counter() - t0))
-        return req if req_back else None
+        return req.source() if source else None
     work = be.fast_work(op, g, req, spans, keep)
     if logging_on:
         work.add_finalizer(lambda: rt.logger.record(op.value, nbytes, be.name, g.size,
@@ -300,7 +321,7 @@ def _run(rt, be, op, g, issue, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
         inflight.append(work)
         return work
     work.wait()
-    return req if req_back else None
+    return req.source() if source else None
 
 
 def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op, backend,
@@ -316,7 +337,7 @@ def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op
                    (op, g, buf, backend, red, root))
     if plan is None or plan[1] is None:
         return MISS
-    return _run(rt, plan[0], op, g, plan[1], (ptr, count), (owner,), async_op, nbytes, 0, 0,
+    return _run(rt, plan, op, g, (ptr, count), (owner,), async_op, nbytes, 0, 0,
                 ptr, ptr + nbytes)
 
 
@@ -354,9 +375,9 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
         return MISS
     args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
     if gathers:  # reads the small block, writes the big one
-        return _run(rt, plan[0], op, g, plan[1], args, owners, async_op, big, small_ptr,
+        return _run(rt, plan, op, g, args, owners, async_op, big, small_ptr,
                     small_ptr + small, big_ptr, big_ptr + big)
-    return _run(rt, plan[0], op, g, plan[1], args, owners, async_op, big, big_ptr,
+    return _run(rt, plan, op, g, args, owners, async_op, big, big_ptr,
                 big_ptr + big, small_ptr, small_ptr + small)
 
 
@@ -413,7 +434,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                        (Op.ALL_TO_ALL, g, buf, backend, None, None, in_bytes))
         if plan is None or plan[1] is None:
             return MISS
-        return _run(rt, plan[0], Op.ALL_TO_ALL, g, plan[1], (out_ptr, in_ptr, in_count // n),
+        return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
     if rt.table is not None and backend in (None, "auto") and g.backend is None:
         return MISS  # a table decides by size, and an uneven call has none in common
@@ -427,7 +448,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                    (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
     if plan is None or plan[1] is None:
         return MISS
-    return _run(rt, plan[0], Op.ALL_TO_ALL, g, plan[1], (out_ptr, in_ptr, out_counts, in_counts),
+    return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, out_counts, in_counts),
                 owners, async_op, in_bytes, *bounds)
 
 
@@ -441,7 +462,7 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
                    (Op.SEND, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
-    return _run(rt, plan[0], Op.SEND, g, plan[1], (ptr, count, peer, int(tag)), (owner,),
+    return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
 
@@ -456,10 +477,10 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
                    (Op.RECV, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
-    done = _run(rt, plan[0], Op.RECV, g, plan[1], (ptr, count, peer, int(tag)), (owner,),
-                async_op, nbytes, 0, 0, ptr, ptr + nbytes, True)
-    if done is MISS or not async_op:  # blocking: the completed request
-        return done if done is MISS else g.ranks[done.source()]
+    done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
+                nbytes, 0, 0, ptr, ptr + nbytes, True)
+    if done is MISS or not async_op:  # blocking: the source's group rank
+        return done if done is MISS else g.ranks[done]
     done.add_finalizer(lambda: setattr(done, "value", g.ranks[done.source()]))
     return done
 
@@ -475,5 +496,5 @@ def barrier(rt, group, async_op, backend, probe):
                    (Op.BARRIER, g, probe, backend))
     if plan is None or plan[1] is None:
         return MISS
-    return _run(rt, plan[0], Op.BARRIER, g, plan[1], (), (), async_op, 0, 0, 0, 0, 0)
+    return _run(rt, plan, Op.BARRIER, g, (), (), async_op, 0, 0, 0, 0, 0)
 

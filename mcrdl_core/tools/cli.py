@@ -467,11 +467,18 @@ def cmd_info(args) -> int:
         from mpi4py import MPI
 
         cuda_support = load_attr("mcrdl_backends.mpi:cuda_support")
+        compiled = load_attr("mcrdl_backends.mpi:compiled")
+        fast_module = load_attr("mcrdl_backends.mpi:fast_module")
 
         aware, how = cuda_support()
         print(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}; CUDA-aware: "
               f"{'yes' if aware else 'no'} ({how}): CUDA buffers "
               f"{'go to MPI as device pointers' if aware else 'are staged through pinned host memory'}")
+        mod, why = compiled()
+        print("MPI fast path: " + ("compiled issuers (mcrdl_backends.mpi_fast)"
+                                   if fast_module() is not None else
+                                   "mpi4py issuers: " + (why if mod is None else
+                                                         "MCRDL_MPI_FAST is off")))
     reason = device_reason()
     print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
     print(_conditions_now(bs))

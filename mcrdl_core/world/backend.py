@@ -141,6 +141,17 @@ class Backend:
         the general path then runs every call of the key."""
         return None
 
+    def fast_blocking(self, op, group, dtype, red=None, root=None):
+        """A compiled issue-and-poll of ``fast_issuer``'s call for blocking calls
+        (``MPIBackend.fast_blocking``), or None: the default, the fast path then issues
+        through ``fast_issuer`` and polls in Python."""
+        return None
+
+    def fast_request(self, left):
+        """The pending request a ``fast_blocking`` call returned unfinished. Needed with
+        ``fast_blocking``."""
+        raise NotImplementedError
+
     def fast_work(self, op, group, req, spans, keep):
         """The Work of a request an issuer made (``spans``: the memory it reads and
         writes; ``keep``: what keeps that memory alive). Needed with ``fast_issuer``."""

@@ -4,6 +4,7 @@ and async, on the world and on a subgroup whose ranks are reversed; work in flig
 (a ring of isend/irecv, async collectives overlapping) is ordered and driven; aliasing,
 bad input, debug mode and a late peer take the general path or the engine's wait with
 the same results and errors; 0 and 1 elements."""
+import os
 import time
 
 import numpy as np
@@ -249,3 +250,109 @@ def test_numpy_arrays_through_the_core_take_it_too():
         b = a.copy()
         mcrdl_core.broadcast(b, SIZE - 1, backend="mpi")
         np.testing.assert_array_equal(b, values(SIZE - 1, 4, F).numpy())
+
+
+def _late_peer_call(op, salt):
+    """One blocking call of ``op`` on the world, its result checked against NumPy."""
+    n = SIZE
+    if op == "broadcast":
+        t = values(RANK, 3, F, salt)
+        assert dist.broadcast(t, n - 1, backend="mpi") is None
+        np.testing.assert_array_equal(t.numpy(), values(n - 1, 3, F, salt).numpy())
+    elif op == "reduce":
+        t = values(RANK, 3, F, salt)
+        dist.reduce(t, 0, op=dist.ReduceOp.SUM, backend="mpi")
+        if RANK == 0:
+            np.testing.assert_array_equal(t.numpy(), stack(range(n), 3, salt).sum(0))
+    elif op == "all_reduce":
+        t = values(RANK, 3, F, salt)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, backend="mpi")
+        np.testing.assert_array_equal(t.numpy(), stack(range(n), 3, salt).max(0))
+    elif op == "all_gather":
+        out = torch.zeros(2 * n, dtype=F)
+        dist.all_gather_into_tensor(out, values(RANK, 2, F, salt), backend="mpi")
+        np.testing.assert_array_equal(out.numpy(), stack(range(n), 2, salt).reshape(-1))
+    elif op == "reduce_scatter":
+        out = torch.zeros(2, dtype=F)
+        dist.reduce_scatter_tensor(out, values(RANK, 2 * n, F, salt), backend="mpi")
+        np.testing.assert_array_equal(
+            out.numpy(), stack(range(n), 2 * n, salt).sum(0)[2 * RANK:2 * RANK + 2])
+    elif op == "all_to_all":
+        out = torch.zeros(2 * n, dtype=F)
+        dist.all_to_all_single(out, values(RANK, 2 * n, F, salt), backend="mpi")
+        theirs = stack(range(n), 2 * n, salt)
+        np.testing.assert_array_equal(out.numpy(),
+                                      theirs[:, 2 * RANK:2 * RANK + 2].reshape(-1))
+    elif op == "send_recv":  # to the next rank, from any source; even ranks send first
+        r = torch.zeros(4, dtype=F)
+        nxt, prv = (RANK + 1) % n, (RANK - 1) % n
+        if RANK % 2 == 0:
+            dist.send(values(RANK, 4, F, salt), nxt, tag=salt, backend="mpi")
+            src = dist.recv(r, None, tag=salt, backend="mpi")
+        else:
+            src = dist.recv(r, None, tag=salt, backend="mpi")
+            dist.send(values(RANK, 4, F, salt), nxt, tag=salt, backend="mpi")
+        assert src == prv
+        np.testing.assert_array_equal(r.numpy(), values(prv, 4, F, salt).numpy())
+    else:
+        assert dist.barrier(backend="mpi") is None
+
+
+@pytest.mark.parametrize("op", ["broadcast", "reduce", "all_reduce", "all_gather",
+                                "reduce_scatter", "all_to_all", "send_recv", "barrier"])
+def test_a_late_peer_of_every_blocking_op_hands_the_wait_over(monkeypatch, op):
+    """No spin: a call its peer has not joined is unfinished when the issuer returns,
+    and the engine's wait completes it (with the compiled issuer: from the handle it
+    returned, a receive's with its status). Results and the sender are still right."""
+    if op == "send_recv" and SIZE % 2:
+        pytest.skip("a blocking ring in rank order needs an even number of ranks")
+    monkeypatch.setattr(mcrdl_core.get_runtime().engine, "spin_s", 0.0)
+    for salt in range(3):
+        if RANK == SIZE - 1:
+            time.sleep(0.02)
+        _late_peer_call(op, salt)
+    assert not mcrdl_core.get_runtime().engine.inflight
+
+
+def test_the_compiled_issuer_is_used_where_built():
+    """With the module built (``make install`` builds it) and MCRDL_MPI_FAST on, every
+    memoized MPI plan but the uneven all-to-all's has the compiled issuer; off, none."""
+    from mcrdl_backends import mpi as mpi_backend
+    mod, why = mpi_backend.compiled()
+    on = mpi_backend.fast_module() is not None
+    if os.environ.get("MCRDL_MPI_FAST", "1") not in ("0", "off"):
+        assert mod is not None, why
+        assert on
+    for op in ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter",
+               "all_to_all", "barrier"):
+        _late_peer_call(op, 0)
+    plans = {k[0]: v for k, v in mcrdl_core.get_runtime().choices.items()
+             if isinstance(k[0], str) and k[0].startswith("fast:") and v[1] is not None}
+    assert {"fast:broadcast", "fast:all_reduce", "fast:barrier"} <= set(plans)
+    for tag, plan in plans.items():
+        assert (plan[3] is not None) == (on and tag != "fast:all_to_all_v"), (tag, plan)
+
+
+def test_the_compiled_module_raises_what_mpi_reports():
+    """An MPI error in the compiled module raises its MPIError with MPI's message (the
+    fast path never passes such arguments: a bad root is refused before a plan)."""
+    from mpi4py import MPI
+    from mcrdl_backends import mpi as mpi_backend
+    mod = mpi_backend.compiled()[0]
+    if mod is None:
+        pytest.skip("the compiled module is not built")
+    comm = MPI.COMM_WORLD.Dup()
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    try:
+        buf = np.zeros(2)
+        with pytest.raises(mod.MPIError, match="MPI error"):
+            mod.bcast(comm.handle, MPI.DOUBLE.handle, SIZE + 5, 0.0, buf, 2)
+        # and a good call right after, on a NumPy array by the buffer protocol
+        buf[:] = RANK + 1
+        left = mod.bcast(comm.handle, MPI.DOUBLE.handle, SIZE - 1, 1.0, buf, 2)
+        if left is not None:  # not done within the second: finish it here
+            MPI.Request.fromhandle(left).Wait()
+        np.testing.assert_array_equal(buf, [SIZE, SIZE])
+    finally:
+        comm.Barrier()
+        comm.Free()
