@@ -11,6 +11,9 @@ decides) the general path's checks and selection run and the chosen backend hand
 communicator, datatype, op and root). Later calls of the key pay a dict lookup, the
 per-call checks (group alive and not broken, root or peer in the group, counts that fit
 the group, input and output apart), the issuer (one nonblocking MPI call) and the wait.
+Where the backend has a compiled issuer (``Backend.fast_blocking``: the MPI backend's
+``mpi_fast.c``), a blocking call alone on its rank issues and polls in one C call, and
+only a request still unfinished after the spin comes back to Python for the engine.
 The general path (``api.py``) calls the Buffer entry of the same function with its
 Buffer, which fills the memo; the facts entries miss until it has.
 
