@@ -159,17 +159,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     logging_on = rt.logger.enabled
     if logging_on:
         t0 = time.perf_counter()
-    if blocking is not None and not async_op:
-        left = blocking(eng.spin_s, mem, count)  # issue and poll, compiled
-        if left is not None:  # not done within the spin: the engine's loop
-            be.work_of(Op.ALL_REDUCE, g, be.fast_request(left), _address(mem),
-                       count * dtype.itemsize, owner).wait()
-        if logging_on:
-            rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
-                                      time.perf_counter() - t0))
-        return None
-    req = issue(mem, count)
     if async_op:
+        req = issue(mem, count)
         nbytes = count * dtype.itemsize
         work = be.work_of(Op.ALL_REDUCE, g, req, _address(mem), nbytes, owner)
         if logging_on:
@@ -178,7 +169,14 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         work.engine = eng
         eng.inflight.append(work)
         return work
-    if not _done_alone(eng, req):  # then the engine's loop: timeout, diagnostics
+    if blocking is not None:  # issue and poll in one compiled call
+        left = blocking(eng.spin_s, mem, count)
+        req = None if left is None else be.fast_request(left)
+    else:
+        req = issue(mem, count)
+        if _done_alone(eng, req):
+            req = None
+    if req is not None:  # not done within the spin: the engine's loop (timeout, diagnostics)
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
