@@ -171,6 +171,25 @@ def test_hierarchical_all_reduce_on_emulated_hosts(nranks, per_host, tmp_path):
 
 
 @pytest.mark.multirank
+def test_compressed_all_to_all_on_emulated_hosts(tmp_path):
+    """tests/mpi/test_compress_a2a.py on 2 emulated hosts of 2 ranks: blocks between ranks
+    of one host move exact, those that cross hosts are encoded (the suite's launches run
+    the file on one host, where every block is encoded)."""
+    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", "--timeout=120", "-o", "addopts=", "test_compress_a2a.py"]
+    proc = _run(cmd, 300, _env(MCRDL_RESULTS_DIR=str(tmp_path), MCRDL_RANKS_PER_HOST="2"))
+    out = proc.stdout + proc.stderr
+    tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
+    assert sorted(tallies) == [0, 1, 2, 3], f"a rank reported nothing:\n{out[-4000:]}"
+    for r, t in tallies.items():
+        assert t["failed"] == 0 and t["error"] == 0, (r, t)
+        assert t["passed"] >= 60, (r, t)
+        crossing = [i for i in t["passed_ids"] if "blocks_that_cross_hosts" in i]
+        assert len(crossing) == 2, (r, crossing)  # mpi and gloo
+
+
+@pytest.mark.multirank
 def test_tune_measures_hier_where_ranks_share_hosts(tmp_path):
     """``mcrdl tune`` on 2 emulated hosts of 2 ranks measures the two-level algorithm as
     a column of all_reduce and all_to_all (not of broadcast); ``--no-hier`` leaves it

@@ -210,9 +210,12 @@ def all_to_all(ch, codec, p, x, res):
     ``A2APlan`` made with ``codec``). The others' blocks are encoded into one buffer
     and handed to one backend all-to-all (Alltoallv over the encoded bytes); while they
     are on the wire, the own block is encoded and decoded here, so it is the same round
-    trip as every other and never moves. Every read of ``x`` comes before the first
-    write of ``res``, so the two may share memory (``all_to_all_single(x, x)``)."""
+    trip as every other and never moves. Blocks the plan marks exact (same-host peers,
+    where the group spans hosts; then the own block too) travel as their raw bytes in
+    the same buffer. Every read of ``x`` comes before the first write of ``res``, so the
+    two may share memory (``all_to_all_single(x, x)``)."""
     P, r = ch.size, ch.rank
+    exact = p.exact or (False,) * P
     ioff, ooff = _offsets(p.in_counts), _offsets(p.out_counts)
     soff, roff = _offsets(p.send_bytes), _offsets(p.recv_bytes)
     send, recv = list(p.send_bytes), list(p.recv_bytes)
@@ -225,16 +228,28 @@ def all_to_all(ch, codec, p, x, res):
     sbuf, rbuf = ch.staging(max(soff[-1], send[r])), ch.staging(max(roff[-1], recv[r]))
     S, R = sbuf.array(), rbuf.array()
     for k in range(P):
-        if k != r:
+        if k == r:
+            continue
+        if exact[k]:
+            S[soff[k]:soff[k + 1]] = x[ioff[k]:ioff[k + 1]].view(S.dtype)
+        else:
             codec.encode(x[ioff[k]:ioff[k + 1]], S[soff[k]:soff[k + 1]])
     work = ch.all_to_all(rbuf, sbuf, recv, send) if P > 1 else None
-    own = ch.staging(codec.encoded_nbytes(p.in_counts[r])).array()
-    codec.encode(x[ioff[r]:ioff[r + 1]], own)
-    ok = codec.decode(own, res[ooff[r]:ooff[r + 1]])
+    if exact[r]:  # a copy first: x and res may share memory
+        res[ooff[r]:ooff[r + 1]] = x[ioff[r]:ioff[r + 1]].copy()
+        ok = True
+    else:
+        own = ch.staging(codec.encoded_nbytes(p.in_counts[r])).array()
+        codec.encode(x[ioff[r]:ioff[r + 1]], own)
+        ok = codec.decode(own, res[ooff[r]:ooff[r + 1]])
     if work is not None:
         yield work
     for k in range(P):
-        if k != r:
+        if k == r:
+            continue
+        if exact[k]:
+            res[ooff[k]:ooff[k + 1]].view(R.dtype)[...] = R[roff[k]:roff[k + 1]]
+        else:
             ok &= codec.decode(R[roff[k]:roff[k + 1]], res[ooff[k]:ooff[k + 1]])
     return bool(ok)
 

@@ -45,7 +45,7 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
                         ch.staging(1))
         spec = f"{codec.name}@{cz.algorithm}*{p.chunks}"
     else:
-        p = lay = plan_all_to_all(cz, g.size, g.rank, *counts, dtype)
+        p = lay = plan_all_to_all(cz, g.size, g.rank, *counts, dtype, _same_host(rt, g))
         be = ch.backend(Op.ALL_TO_ALL, ch.staging(1), sel_nbytes)
         spec, count = f"{codec.name}@a2a", None  # the splits are compared instead
     if rt.observed:
@@ -61,6 +61,16 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
         work.add_finalizer(finish)
     work.add_finalizer(functools.partial(_check_intact, work, codec))
     return rt.finish(work, spans, async_op, nbytes)
+
+
+def _same_host(rt, g) -> tuple:
+    """For each rank of ``g``, whether it runs on this rank's host, where ``g`` spans
+    several hosts; () where it does not (one host: every block is encoded, as asked)."""
+    bs = rt.bootstrap
+    if bs.hosts_in(g.ranks) < 2:
+        return ()
+    mine = bs.host_of[g.ranks[g.rank]]
+    return tuple(bs.host_of[r] == mine for r in g.ranks)
 
 
 def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, then=None,

@@ -289,6 +289,9 @@ class A2APlan:
     on the element count alone, so every rank computes its byte counts from the splits
     it already has and no sizes are exchanged. The own block is encoded and decoded
     locally (0 bytes on the wire), so it is the same round trip as every other block.
+    ``exact``: where the group spans several hosts, True for the ranks on this rank's
+    host (itself included): those blocks move as their raw bytes, since a codec only
+    pays where bytes cross the network (empty: every block is encoded).
     ``raw_bytes``/``wire_bytes``: what this rank sends to the others, before and after
     encoding."""
 
@@ -301,6 +304,7 @@ class A2APlan:
     send_bytes: tuple
     recv_bytes: tuple
     raw_bytes: int
+    exact: tuple = ()
 
     @property
     def wire_bytes(self) -> int:
@@ -314,20 +318,29 @@ class A2APlan:
         return (f"all_to_all a2a codec={self.codec} P={self.group_size} rank={self.rank} "
                 f"{self.dtype} sends {sum(self.in_counts)} receives {sum(self.out_counts)} "
                 f"elements ({self.raw_bytes} B -> {self.wire_bytes} B to the others, ratio "
-                f"{self.ratio:.2f}; {sum(self.recv_bytes)} B in)")
+                f"{self.ratio:.2f}; {sum(self.recv_bytes)} B in"
+                + (f"; {sum(self.exact) - 1} same-host peer(s) exact)" if self.exact else ")"))
 
 
 def plan_all_to_all(cz: Compression, group_size: int, rank: int, out_counts, in_counts,
-                    dtype: _dt.DType | str = "float32") -> A2APlan:
+                    dtype: _dt.DType | str = "float32", exact=()) -> A2APlan:
     """The plan of a compressed all-to-all on group rank ``rank`` (pure): ``in_counts[k]``
-    elements go to rank k, ``out_counts[k]`` come from it."""
+    elements go to rank k, ``out_counts[k]`` come from it; ``exact[k]``: rank k's block
+    moves raw, in the work dtype (every rank passes the same host map, so sender and
+    receiver agree on each block's size)."""
     dtype = _dt.lookup(dtype)
     codec = make_codec(cz.codec, dtype.name)
     ins, outs = tuple(int(c) for c in in_counts), tuple(int(c) for c in out_counts)
-    if len(ins) != group_size or len(outs) != group_size:
+    exact = tuple(bool(e) for e in exact)
+    if len(ins) != group_size or len(outs) != group_size or len(exact) not in (0, group_size):
         raise InvalidArgumentError(f"all_to_all plan: {len(ins)} input and {len(outs)} output "
                                    f"counts for a group of {group_size}; give one per rank")
-    send = tuple(0 if k == rank else codec.encoded_nbytes(c) for k, c in enumerate(ins))
-    recv = tuple(0 if k == rank else codec.encoded_nbytes(c) for k, c in enumerate(outs))
+    wsize = work_dtype(dtype).itemsize
+
+    def wire(k, c):
+        return 0 if k == rank else c * wsize if exact and exact[k] else codec.encoded_nbytes(c)
+
+    send = tuple(wire(k, c) for k, c in enumerate(ins))
+    recv = tuple(wire(k, c) for k, c in enumerate(outs))
     return A2APlan(codec.name, group_size, rank, dtype.name, ins, outs, send, recv,
-                   (sum(ins) - ins[rank]) * dtype.itemsize)
+                   (sum(ins) - ins[rank]) * dtype.itemsize, exact)

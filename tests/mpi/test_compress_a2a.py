@@ -3,7 +3,9 @@
 Each rank can compute every rank's input (Gaussian, seeded by rank and a salt) and the
 splits every rank uses (rows(src, dst) below, zeros included), so each checks what it
 received: block k, from rank k, must equal a local encode/decode round trip of rank k's
-block for this rank, bit for bit (one encoding per block, whatever P). Uneven splits,
+block for this rank, bit for bit (one encoding per block, whatever P); where the group
+spans several hosts (emulated: tests/test_multirank.py launches this file on 2 hosts of
+2 ranks), blocks from this rank's own host must arrive exact instead. Uneven splits,
 zero-sized blocks, 0 elements, the list form, 16-bit and float64 tensors, in place,
 async, several calls in flight on one group, subgroups, mpi and gloo; the errors of bad
 input (before anything is sent) and debug mode's MismatchError.
@@ -21,6 +23,19 @@ from test_compress import data, local_round_trip
 
 CODECS = ["fp8", "int8", "fp16", "bf16", "none"]
 WIDTH = 70  # elements per row: blocks end inside the codecs' blocks
+
+
+def exact_from(k, ranks=None) -> bool:
+    """Whether rank ``k``'s block reaches this rank raw: the same host, in a group (the
+    world, or ``ranks``) that spans several hosts."""
+    host = mc.get_runtime().bootstrap.host_of
+    ranks = range(SIZE) if ranks is None else ranks
+    return bool(host) and len({host[r] for r in ranks}) > 1 and host[k] == host[RANK]
+
+
+def ref(codec, k, block, ranks=None):
+    """What this rank must receive of rank ``k``'s ``block``."""
+    return block.copy() if exact_from(k, ranks) else local_round_trip(codec, block)
 
 
 def rows(src, dst, salt):
@@ -49,7 +64,7 @@ def expected(codec, salt, width=WIDTH, convert=None):
         if convert is not None:
             xk = convert(xk)
         lo = sum(send_rows(k, salt)[:RANK]) * width
-        parts.append(local_round_trip(codec, xk[lo:lo + rows(k, RANK, salt) * width]))
+        parts.append(ref(codec, k, xk[lo:lo + rows(k, RANK, salt) * width]))
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
@@ -75,8 +90,8 @@ def test_even_splits(codec, backend):
     out = np.empty(SIZE * n, np.float32)
     mc.all_to_all_single(out, x, backend=backend, compression=codec)
     for k in range(SIZE):
-        ref = local_round_trip(codec, data(k, SIZE * n, 2)[RANK * n:(RANK + 1) * n])
-        assert np.array_equal(out[k * n:(k + 1) * n], ref), k
+        want = ref(codec, k, data(k, SIZE * n, 2)[RANK * n:(RANK + 1) * n])
+        assert np.array_equal(out[k * n:(k + 1) * n], want), k
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,15 +130,15 @@ def test_zero_elements(backend):
     for k in range(SIZE):
         xk = data(k, sum(r(k, d) for d in range(SIZE)), 4)
         lo = sum(r(k, d) for d in range(RANK))
-        assert np.array_equal(out[off:off + outs[k]], local_round_trip("fp16", xk[lo:lo + outs[k]]))
+        assert np.array_equal(out[off:off + outs[k]], ref("fp16", k, xk[lo:lo + outs[k]]))
         off += outs[k]
     # every rank issued the same backend primitive (the idle rank too): the group still
     # lines up for the next call
     y = np.empty(SIZE * 3, np.float32)
     mc.all_to_all_single(y, data(RANK, SIZE * 3, 40), backend=backend, compression="fp8")
     for k in range(SIZE):
-        ref = local_round_trip("fp8", data(k, SIZE * 3, 40)[RANK * 3:(RANK + 1) * 3])
-        assert np.array_equal(y[k * 3:(k + 1) * 3], ref)
+        want = ref("fp8", k, data(k, SIZE * 3, 40)[RANK * 3:(RANK + 1) * 3])
+        assert np.array_equal(y[k * 3:(k + 1) * 3], want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,8 +169,8 @@ def test_calls_in_flight_together_do_not_interfere(backend):
         works.append(mc.all_to_all_single(out, x, recv_rows(RANK, salt), send_rows(RANK, salt),
                                           async_op=True, backend=backend,
                                           compression=None if plain else codec))
-        ref = expected("none" if plain else codec, salt, width)
-        checks.append(lambda out=out, ref=ref: np.array_equal(out.reshape(-1), ref))
+        want = expected("none" if plain else codec, salt, width)
+        checks.append(lambda out=out, want=want: np.array_equal(out.reshape(-1), want))
     for w in reversed(works):
         w.wait()
     bad = [i for i, c in enumerate(checks) if not c()]
@@ -204,8 +219,8 @@ def test_tensor_dtypes(dtype, backend):
     mc.all_to_all_single(out, x, recv_rows(RANK, salt), send_rows(RANK, salt), backend=backend,
                          compression="fp8")
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    ref = expected("fp8", salt, convert=lambda v: torch.from_numpy(v).to(dtype).to(work).numpy())
-    assert torch.equal(out.reshape(-1), torch.from_numpy(ref).to(dtype))
+    want = expected("fp8", salt, convert=lambda v: torch.from_numpy(v).to(dtype).to(work).numpy())
+    assert torch.equal(out.reshape(-1), torch.from_numpy(want).to(dtype))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -214,8 +229,8 @@ def test_in_place(backend):
     x = data(RANK, SIZE * n, 8)
     mc.all_to_all_single(x, x, backend=backend, compression="int8")
     for k in range(SIZE):
-        ref = local_round_trip("int8", data(k, SIZE * n, 8)[RANK * n:(RANK + 1) * n])
-        assert np.array_equal(x[k * n:(k + 1) * n], ref), k
+        want = ref("int8", k, data(k, SIZE * n, 8)[RANK * n:(RANK + 1) * n])
+        assert np.array_equal(x[k * n:(k + 1) * n], want), k
 
 
 def test_subgroup(grp):
@@ -226,8 +241,35 @@ def test_subgroup(grp):
     out = np.empty(P * n, np.float32)
     mc.all_to_all_single(out, x, group=g, compression="fp8")
     for j, k in enumerate(ranks):
-        ref = local_round_trip("fp8", data(k, P * n, 9)[me * n:(me + 1) * n])
-        assert np.array_equal(out[j * n:(j + 1) * n], ref), j
+        want = ref("fp8", k, data(k, P * n, 9)[me * n:(me + 1) * n], ranks)
+        assert np.array_equal(out[j * n:(j + 1) * n], want), j
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_blocks_that_cross_hosts_are_encoded(backend):
+    """On several hosts, a peer on this rank's host (and this rank itself) gets the
+    block exact and a peer on another host its int8 round trip, which differs; the plan
+    says so. On one host every block is a round trip (the tests above)."""
+    host = mc.get_runtime().bootstrap.host_of
+    if not host or len(set(host)) < 2:
+        pytest.skip("one host: every block is encoded")
+    n = 300
+    out = np.empty(SIZE * n, np.float32)
+    mc.all_to_all_single(out, data(RANK, SIZE * n, 14), backend=backend, compression="int8")
+    for k in range(SIZE):
+        sent = data(k, SIZE * n, 14)[RANK * n:(RANK + 1) * n]
+        got = out[k * n:(k + 1) * n]
+        if host[k] == host[RANK]:
+            assert np.array_equal(got, sent), k
+        else:
+            assert np.array_equal(got, local_round_trip("int8", sent)), k
+            assert not np.array_equal(got, sent), k
+    from mcrdl_core.compress.spec import Compression, plan_all_to_all
+    exact = [host[k] == host[RANK] for k in range(SIZE)]
+    p = plan_all_to_all(Compression("int8"), SIZE, RANK, [n] * SIZE, [n] * SIZE,
+                        exact=exact)
+    assert [b == n * 4 for b in p.send_bytes] == [e and k != RANK for k, e in enumerate(exact)]
+    assert "exact" in str(p)
 
 
 # --- what is allowed, and bad input --------------------------------------------------------
@@ -263,21 +305,21 @@ def test_integers(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_refused_before_anything_is_sent(backend):
     """Every rank raises (no rank is left in a collective): the plain call's messages."""
-    x = data(RANK, 12, 14).reshape(6, 2)
-    out = np.empty((6, 2), np.float32)
+    x = data(RANK, 24, 14).reshape(12, 2)  # 12 rows: even at 1, 2, 3 and 4 ranks
+    out = np.empty((12, 2), np.float32)
     bad = [0] * SIZE
-    bad[0] = 5  # adds up to 5 rows, the tensors have 6
-    with pytest.raises(InvalidArgumentError, match="sum to 5 but dim 0 of the tensor is 6"):
+    bad[0] = 5  # adds up to 5 rows, the tensors have 12
+    with pytest.raises(InvalidArgumentError, match="sum to 5 but dim 0 of the tensor is 12"):
         mc.all_to_all_single(out, x, None, bad, backend=backend, compression="fp8")
     with pytest.raises(InvalidArgumentError, match="split sizes for a group of"):
-        mc.all_to_all_single(out, x, [6] + [0] * SIZE, None, backend=backend, compression="int8")
+        mc.all_to_all_single(out, x, [12] + [0] * SIZE, None, backend=backend, compression="int8")
     with pytest.raises(UnsupportedError, match="one algorithm"):
         mc.all_to_all_single(out, x, backend=backend, compression="int8@p2p")
     if SIZE > 1:  # the own block differs between the two split lists, on every rank
         ins, outs = [0] * SIZE, [0] * SIZE
-        ins[RANK], outs[RANK] = 6, 0
-        outs[(RANK + 1) % SIZE] = 6
-        with pytest.raises(InvalidArgumentError, match="sends itself 12 elements but expects 0"):
+        ins[RANK], outs[RANK] = 12, 0
+        outs[(RANK + 1) % SIZE] = 12
+        with pytest.raises(InvalidArgumentError, match="sends itself 24 elements but expects 0"):
             mc.all_to_all_single(out, x, outs, ins, backend=backend, compression="fp16")
     # nothing was left behind: the next call works
     y = np.empty(SIZE * 4, np.float32)
@@ -417,5 +459,5 @@ def test_mcrdl_jax_compressed_all_to_all_and_its_gradient(mode):
     for dst in range(SIZE):  # this rank's rows of every receiver's weights, round-tripped
         off = sum(recv_rows(dst, salt)[:RANK])
         block = weights(dst)[off:off + rows(RANK, dst, salt)].reshape(-1)
-        parts.append(local_round_trip(codec, block))
+        parts.append(ref(codec, dst, block))
     assert np.array_equal(np.asarray(grad).reshape(-1), np.concatenate(parts))
