@@ -17,7 +17,8 @@
  * functools.partial, then ``spin``, then the call's own: addresses (ints, or objects
  * with the buffer protocol) and counts (the large-count MPI calls: any size). Handles
  * are only meaningful in the MPI library mpi4py loaded, so the module is built against
- * it (mcrdl_backends.build) and checked at import (``library_version``).
+ * it (mcrdl_backends.build); the backend checks ``VERSION``, ``library_version`` and
+ * ``world_handle`` against what it expects before it uses the module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

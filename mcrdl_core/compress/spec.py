@@ -332,9 +332,12 @@ def plan_all_to_all(cz: Compression, group_size: int, rank: int, out_counts, in_
     codec = make_codec(cz.codec, dtype.name)
     ins, outs = tuple(int(c) for c in in_counts), tuple(int(c) for c in out_counts)
     exact = tuple(bool(e) for e in exact)
-    if len(ins) != group_size or len(outs) != group_size or len(exact) not in (0, group_size):
+    if len(ins) != group_size or len(outs) != group_size:
         raise InvalidArgumentError(f"all_to_all plan: {len(ins)} input and {len(outs)} output "
                                    f"counts for a group of {group_size}; give one per rank")
+    if len(exact) not in (0, group_size):
+        raise InvalidArgumentError(f"all_to_all plan: {len(exact)} same-host flags for a group "
+                                   f"of {group_size}; give one per rank, or none")
     wsize = work_dtype(dtype).itemsize
 
     def wire(k, c):
