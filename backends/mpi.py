@@ -112,6 +112,16 @@ class _FastRecvWork(_FastWork):
         return self.status.Get_source()
 
 
+class _KeptRequest:
+    """An uneven all-to-all's request from the compiled module, with the memory of its
+    count arrays, which MPI reads until the request completes (its Work keeps it)."""
+
+    __slots__ = ("req", "keep", "Test")
+
+    def __init__(self, req, keep):
+        self.req, self.keep, self.Test = req, keep, req.Test
+
+
 class _RecvRequest:
     """An ``Irecv`` request and its status: ``Test()`` fills the status; ``source()``
     is the sender's rank in the group once complete."""
@@ -126,6 +136,26 @@ class _RecvRequest:
 
     def source(self) -> int:
         return self.status.Get_source()
+
+
+def _split_counts(splits, count: int, rows: int, n: int):
+    """Element counts per peer of one side of an uneven all-to-all: ``splits`` (n row
+    counts adding up to ``rows``; a row is count / rows elements) or, for None, ``rows``
+    split evenly; None where they do not fit."""
+    if splits is None:
+        return None if rows % n else [count // n] * n
+    if len(splits) != n:
+        return None
+    per_row = count // rows if rows else 0
+    total = 0
+    counts = []
+    for s in splits:
+        s = int(s)
+        if s < 0:
+            return None
+        total += s
+        counts.append(s * per_row)
+    return counts if total == rows else None
 
 
 def _displs(counts) -> list:
@@ -184,7 +214,7 @@ try:  # the compiled hot path: built by mcrdl_backends.build (make install), not
 except ImportError as _exc:
     mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
 
-_FAST_VERSION = 1  # mpi_fast.c's VERSION that this module's calls are written for
+_FAST_VERSION = 2  # mpi_fast.c's VERSION that this module's calls are written for
 _COMPILED: list = []
 
 
@@ -394,6 +424,11 @@ class MPIBackend(Backend):
         if dtype.is_half or op is ReduceOp.AVG or dtype not in _TYPES:
             return None
         compiled = self.fast_blocking(Op.ALL_REDUCE, group, dtype, op)
+        if compiled is not None and op is Op.ALL_TO_ALL and root == "v":
+            def compiled_v(*args):
+                left = compiled(-1.0, *args)
+                return left if left is False else _KeptRequest(*left)
+            return compiled_v
         if compiled is not None:  # the same call, compiled, never polled (spin < 0)
             return functools.partial(compiled, -1.0)
         iallreduce = self.comm(group).Iallreduce
@@ -417,7 +452,10 @@ class MPIBackend(Backend):
         - all_gather: ``(out, inp, count)``, ``count`` per rank; ``Iallgather``
         - reduce_scatter: ``(out, inp, count)``, ``count`` per rank; ``Ireduce_scatter_block``
         - all_to_all: ``(out, inp, count)`` per peer (``Ialltoall``); with ``root="v"``
-          ``(out, inp, out_counts, in_counts)`` (``Ialltoallv``)
+          ``(out, out_count, out_rows, inp, in_count, in_rows, out_splits, in_splits)``
+          (``Ialltoallv``): split sizes along dim 0 (None: even on that side), which it
+          judges: False, with nothing sent, where they do not fit the group (the fast
+          path's MISS), or where this rank's own block differs between them
         - send, recv: ``(ptr, count, group rank or None, tag)``; a receive's request also
           tells its source (``source()``)
         - barrier: ``()``; ``Ibarrier``
@@ -434,6 +472,11 @@ class MPIBackend(Backend):
             def compiled_recv(ptr, count, peer, tag):
                 return _RecvRequest(compiled(-1.0, ptr, count, peer, tag)[0], MPI.Status())
             return compiled_recv
+        if compiled is not None and op is Op.ALL_TO_ALL and root == "v":
+            def compiled_v(*args):
+                left = compiled(-1.0, *args)
+                return left if left is False else _KeptRequest(*left)
+            return compiled_v
         if compiled is not None:  # the same call, compiled, never polled (spin < 0)
             return functools.partial(compiled, -1.0)
         comm = self.comm(group)
@@ -464,14 +507,18 @@ class MPIBackend(Backend):
             return lambda out, inp, count: irs(
                 [mem(inp if count else 0, n * count * isz), count, mtype], spec(out, count), mop)
         if op is Op.ALL_TO_ALL and root == "v":
-            ialltoallv = comm.Ialltoallv
+            ialltoallv, me = comm.Ialltoallv, group.rank
 
-            def issue_v(out, inp, out_counts, in_counts):
-                in_total, out_total = sum(in_counts), sum(out_counts)
+            def issue_v(out, out_count, out_rows, inp, in_count, in_rows, out_splits,
+                        in_splits):
+                out_counts = _split_counts(out_splits, out_count, out_rows, n)
+                in_counts = _split_counts(in_splits, in_count, in_rows, n)
+                if out_counts is None or in_counts is None or out_counts[me] != in_counts[me]:
+                    return False  # nothing sent: the general path judges the splits
                 return ialltoallv(
-                    [mem(inp if in_total else 0, in_total * isz), (in_counts, _displs(in_counts)),
+                    [mem(inp if in_count else 0, in_count * isz), (in_counts, _displs(in_counts)),
                      mtype],
-                    [mem(out if out_total else 0, out_total * isz),
+                    [mem(out if out_count else 0, out_count * isz),
                      (out_counts, _displs(out_counts)), mtype])
             return issue_v
         if op is Op.ALL_TO_ALL:
@@ -498,8 +545,9 @@ class MPIBackend(Backend):
         the same nonblocking MPI call and polls it for at most ``spin_s`` seconds;
         it returns None if it completed (a receive: the source's group rank), else what
         ``fast_request`` turns into the pending request. None where the module is not in
-        use (``fast_module``), and for the ops it does not cover (uneven all-to-all:
-        MPI reads its count arrays until completion, which mpi4py keeps alive)."""
+        use (``fast_module``). The uneven all-to-all's returns, if unfinished, its
+        request with the count arrays MPI reads until completion (``fast_request``
+        keeps them with the request)."""
         c = fast_module()
         if c is None or (dtype is not None and dtype not in _TYPES):
             return None
@@ -522,6 +570,8 @@ class MPIBackend(Backend):
             return functools.partial(c.reduce_scatter, comm, mtype, _OPS[red].handle)
         if op is Op.ALL_TO_ALL and root is None:
             return functools.partial(c.alltoall, comm, mtype)
+        if op is Op.ALL_TO_ALL and root == "v":
+            return functools.partial(c.alltoallv, comm, mtype, group.size, group.rank)
         if op is Op.SEND:
             return functools.partial(c.send, comm, mtype)
         if op is Op.RECV:
@@ -531,9 +581,11 @@ class MPIBackend(Backend):
     @staticmethod
     def fast_request(left):
         """The pending request a ``fast_blocking`` call left (an mpi4py Request; a
-        receive's in a 1-tuple), as ``fast_issuer``'s issuer would have returned it."""
+        receive's in a 1-tuple; the uneven all-to-all's in a 2-tuple with the memory of
+        its counts, which ``fast_work`` keeps), as ``fast_issuer``'s issuer would have
+        returned it."""
         if left.__class__ is tuple:
-            return _RecvRequest(left[0], MPI.Status())
+            return _RecvRequest(left[0], MPI.Status()) if len(left) == 1 else _KeptRequest(*left)
         return left
 
     def fast_work(self, op, group, req, spans, keep):
@@ -542,6 +594,9 @@ class MPIBackend(Backend):
         if req.__class__ is _RecvRequest:
             w = _FastRecvWork.__new__(_FastRecvWork)
             w.status, w.value, req = req.status, None, req.req
+        elif req.__class__ is _KeptRequest:
+            w = _FastWork.__new__(_FastWork)
+            req, keep = req.req, (*keep, req.keep)
         else:
             w = _FastWork.__new__(_FastWork)
         w.op, w.group, w.finalizers, w.done, w.engine = op, group, [], False, None

@@ -218,6 +218,108 @@ static PyObject *alltoall(PyObject *self, PyObject *args)
     return exchange(args, MPI_Ialltoall_c);
 }
 
+/* One side of an uneven all-to-all: element counts and displacements per peer from
+ * ``splits`` (n row counts that add up to ``rows``; a row is count / rows elements) or,
+ * for None, ``rows`` split evenly. 1: they fit; 0: they do not (nothing raised: the
+ * caller's general path judges the call). */
+static int side(PyObject *splits, Py_ssize_t count, Py_ssize_t rows, int n, MPI_Count *counts,
+                MPI_Aint *displs)
+{
+    Py_ssize_t per_row = rows ? count / rows : 0, total = 0, s, i;
+    PyObject *seq, **items;
+    if (splits == Py_None) {
+        if (rows % n)
+            return 0;
+        for (i = 0; i < n; i++) {
+            counts[i] = (MPI_Count)(count / n);
+            displs[i] = (MPI_Aint)(i * (count / n));
+        }
+        return 1;
+    }
+    seq = PySequence_Fast(splits, "splits");
+    if (seq == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        Py_DECREF(seq);
+        return 0;
+    }
+    items = PySequence_Fast_ITEMS(seq);
+    for (i = 0; i < n; i++) {
+        s = PyNumber_AsSsize_t(items[i], NULL);
+        if (s < 0 || s > rows - total) { /* negative, not an int, or past the rows */
+            PyErr_Clear();
+            Py_DECREF(seq);
+            return 0;
+        }
+        counts[i] = (MPI_Count)(s * per_row);
+        displs[i] = (MPI_Aint)(total * per_row);
+        total += s;
+    }
+    Py_DECREF(seq);
+    return total == rows;
+}
+
+/* alltoallv(comm, dtype, n, me, spin, out, out_count, out_rows, inp, in_count, in_rows,
+ * out_splits, in_splits): ``all_to_all_single`` by split sizes along dim 0 (None: even on
+ * that side). False, with nothing sent, if the splits do not fit (see ``side``) or this
+ * rank's own block differs in size between them; else None if it completed within
+ * ``spin``, or (Request, counts): the counts' memory, which MPI reads until the request
+ * completes, goes with the request for the caller to keep alive. */
+static PyObject *alltoallv(PyObject *self, PyObject *args)
+{
+    double spin;
+    void *out, *inp;
+    handle_t comm, dtype;
+    Py_ssize_t out_count, out_rows, in_count, in_rows;
+    int n, me, rc, flag;
+    PyObject *out_splits, *in_splits, *keep, *h, *tup;
+    MPI_Count *oc, *ic;
+    MPI_Aint *od, *id;
+    MPI_Request req;
+    if (!PyArg_ParseTuple(args, "KKiidO&nnO&nnOO", &comm, &dtype, &n, &me, &spin, address, &out,
+                          &out_count, &out_rows, address, &inp, &in_count, &in_rows, &out_splits,
+                          &in_splits))
+        return NULL;
+    if (n <= 0 || me < 0 || me >= n || out_rows < 0 || in_rows < 0)
+        Py_RETURN_FALSE;
+    keep = PyBytes_FromStringAndSize(NULL, 2 * (Py_ssize_t)n * (sizeof(MPI_Count) + sizeof(MPI_Aint)));
+    if (keep == NULL)
+        return NULL;
+    oc = (MPI_Count *)PyBytes_AS_STRING(keep);
+    ic = oc + n;
+    od = (MPI_Aint *)(ic + n);
+    id = od + n;
+    if (!side(out_splits, out_count, out_rows, n, oc, od)
+        || !side(in_splits, in_count, in_rows, n, ic, id) || oc[me] != ic[me]) {
+        Py_DECREF(keep);
+        Py_RETURN_FALSE;
+    }
+    rc = MPI_Ialltoallv_c(in_count ? inp : NULL, ic, id, TYPE(dtype), out_count ? out : NULL, oc,
+                          od, TYPE(dtype), COMM(comm), &req);
+    if (rc != MPI_SUCCESS) {
+        Py_DECREF(keep);
+        return fail(rc);
+    }
+    rc = poll(&req, spin, MPI_STATUS_IGNORE, &flag);
+    if (rc != MPI_SUCCESS || flag) {
+        Py_DECREF(keep);
+        if (rc != MPI_SUCCESS)
+            return fail(rc);
+        Py_RETURN_NONE;
+    }
+    h = PyMPIRequest_New(req);
+    if (h == NULL) {
+        Py_DECREF(keep);
+        return NULL;
+    }
+    tup = PyTuple_Pack(2, h, keep);
+    Py_DECREF(h);
+    Py_DECREF(keep);
+    return tup;
+}
+
 /* send(comm, dtype, spin, ptr, count, peer, tag) */
 static PyObject *send(PyObject *self, PyObject *args)
 {
@@ -308,6 +410,9 @@ static PyMethodDef methods[] = {
     {"reduce_scatter", reduce_scatter, METH_VARARGS,
      "reduce_scatter(comm, dtype, op, spin, out, inp, count)"},
     {"alltoall", alltoall, METH_VARARGS, "alltoall(comm, dtype, spin, out, inp, count)"},
+    {"alltoallv", alltoallv, METH_VARARGS,
+     "alltoallv(comm, dtype, n, me, spin, out, out_count, out_rows, inp, in_count, in_rows, "
+     "out_splits, in_splits)"},
     {"send", send, METH_VARARGS, "send(comm, dtype, spin, ptr, count, peer, tag)"},
     {"recv", recv, METH_VARARGS, "recv(comm, dtype, spin, ptr, count, peer, tag)"},
     {"barrier", barrier, METH_VARARGS, "barrier(comm, spin)"},
@@ -327,7 +432,7 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
         return NULL;
     /* what mcrdl_backends.mpi expects: raise it when the functions or their arguments
      * change, so that a module built from an older source is refused, not misused */
-    if (PyModule_AddIntConstant(m, "VERSION", 1) < 0)
+    if (PyModule_AddIntConstant(m, "VERSION", 2) < 0)
         return NULL;
     MPIError = PyErr_NewException("mpi_fast.MPIError", PyExc_RuntimeError, NULL);
     if (MPIError == NULL || PyModule_AddObject(m, "MPIError", MPIError) < 0)

@@ -31,6 +31,7 @@ from mcrdl_core.dispatch import fastpath as _fp
 from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
 from .tensors import MISS as _MISS
+from .tensors import PLAIN as _PLAIN
 from .tensors import facts as _facts
 from .tensors import fast_all_reduce as _fast_all_reduce
 from .tensors import to_buffer as _b
@@ -52,7 +53,10 @@ def init_process_group(backend: str | None = None, init_method=None, timeout=Non
                                        f"says {actual}; drop the argument or fix the launch")
     if backend not in (None, "auto") and "gloo" in str(backend) and "nccl" in str(backend):
         backend = None  # torch's "cpu:gloo,cuda:nccl": let the policy choose by device
-    rt.world.backend = None if backend in (None, "auto") else str(backend)
+    backend = None if backend in (None, "auto") else str(backend)
+    if rt.world.backend != backend:  # the memo's plans chose under the old default
+        rt.world.backend = backend
+        rt.choices.clear()
 
 
 def is_initialized() -> bool:
@@ -95,24 +99,43 @@ def available_backends() -> dict:
 
 
 # --- point to point ------------------------------------------------------------------------
-# Each call first tries the core's fast path on the tensors' facts (plain contiguous CPU
-# tensors, a memoized key, nothing in the way: mcrdl_core/dispatch/fastpath.py); a MISS takes the
-# general path, which checks everything, raises its errors and fills the memo.
-def _p2p(fast, general, tensor, peer, group, tag, async_op, backend):
-    f = _facts(tensor)
-    if f is not None:
-        done = fast(_rt(), f[0], f[1], f[2], tensor, peer, tag, group, async_op, backend)
-        if done is not _MISS:
-            return done
+# Each call on plain contiguous CPU tensors first tries the call bound to its arguments
+# (``_K_*`` keys in the runtime's memo: the core's bound calls, mcrdl_core/dispatch/
+# fastpath.py), then the core's fast path on the tensors' facts, which binds the key on
+# its first blocking call; a MISS of both takes the general path, which checks
+# everything, raises its errors and fills the memo.
+_K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV = (
+    f"bound:torch.{name}" for name in ("send", "recv", "broadcast", "reduce", "all_reduce",
+                                       "all_gather_into_tensor", "reduce_scatter_tensor",
+                                       "all_to_all_single", "all_to_all_single_v"))
+
+
+def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
+    if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+        rt = _rt()
+        key = None
+        if not async_op:  # (only blocking calls are bound)
+            key = (kind, tensor.dtype, peer, group, backend)
+            bound = rt.choices.get(key)
+            if bound is not None:
+                done = bound(tensor.data_ptr(), tensor.numel(), tag, tensor)
+                if done is not _MISS:
+                    return done
+        f = _facts(tensor)
+        if f is not None:
+            done = fast(rt, f[0], f[1], f[2], tensor, peer, tag, group, async_op, backend,
+                        None, key)
+            if done is not _MISS:
+                return done
     return general(_b(tensor), peer, group, tag, async_op, backend)
 
 
 def _send(tensor, dst, group, tag, async_op, backend):
-    return _p2p(_fp.send, _core.send, tensor, dst, group, tag, async_op, backend)
+    return _p2p(_fp.send, _core.send, _K_SEND, tensor, dst, group, tag, async_op, backend)
 
 
 def _recv(tensor, src, group, tag, async_op, backend):
-    return _p2p(_fp.recv, _core.recv, tensor, src, group, tag, async_op, backend)
+    return _p2p(_fp.recv, _core.recv, _K_RECV, tensor, src, group, tag, async_op, backend)
 
 
 def send(tensor, dst: int, group=None, tag: int = 0, backend=None) -> None:
@@ -133,18 +156,31 @@ def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None
 
 # --- collectives ---------------------------------------------------------------------------
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
-    f = _facts(tensor)
-    if f is not None:
-        done = _fp.broadcast(_rt(), f[0], f[1], f[2], tensor, src, group, async_op, backend)
-        if done is not _MISS:
-            return done
+    if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+        rt = _rt()
+        key = (_K_BCAST, tensor.dtype, src, group, backend, async_op)
+        bound = rt.choices.get(key)
+        if bound is not None and bound(tensor.data_ptr(), tensor.numel(), tensor) is None:
+            return None
+        f = _facts(tensor)
+        if f is not None:
+            done = _fp.broadcast(rt, f[0], f[1], f[2], tensor, src, group, async_op, backend,
+                                 None, key)
+            if done is not _MISS:
+                return done
     return _core.broadcast(_b(tensor), src, group, async_op, backend)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
                compression=None):
-    if compression is None:  # small host calls: tensors.fast_all_reduce, no Buffer made
-        done = _fast_all_reduce(tensor, op, group, async_op, backend)
+    if compression is None and type(tensor) in _PLAIN and tensor.is_cpu \
+            and tensor.is_contiguous():
+        rt = _rt()
+        key = (_K_AR, tensor.dtype, op, group, backend, async_op)
+        bound = rt.choices.get(key)
+        if bound is not None and bound(tensor.data_ptr(), tensor.numel(), tensor) is None:
+            return None
+        done = _fast_all_reduce(rt, tensor, op, group, async_op, backend, key)
         if done is not _MISS:
             return done
     return _core.all_reduce(_b(tensor), op, group, async_op, backend, compression)
@@ -152,11 +188,18 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
 
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
            backend=None):
-    f = _facts(tensor)
-    if f is not None:
-        done = _fp.reduce(_rt(), f[0], f[1], f[2], tensor, dst, op, group, async_op, backend)
-        if done is not _MISS:
-            return done
+    if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+        rt = _rt()
+        key = (_K_REDUCE, tensor.dtype, dst, op, group, backend, async_op)
+        bound = rt.choices.get(key)
+        if bound is not None and bound(tensor.data_ptr(), tensor.numel(), tensor) is None:
+            return None
+        f = _facts(tensor)
+        if f is not None:
+            done = _fp.reduce(rt, f[0], f[1], f[2], tensor, dst, op, group, async_op, backend,
+                              None, key)
+            if done is not _MISS:
+                return done
     return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
 
 
@@ -168,11 +211,20 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
                            backend=None, compression=None):
-    if compression is None:
-        o, i = _facts(output_tensor), _facts(input_tensor)
-        if o is not None and i is not None and o[2] is i[2]:
-            done = _fp.all_gather(_rt(), o[0], o[1], i[0], i[1], i[2],
-                                  (output_tensor, input_tensor), group, async_op, backend)
+    out, inp = output_tensor, input_tensor
+    if compression is None and type(out) in _PLAIN and type(inp) in _PLAIN and out.is_cpu \
+            and inp.is_cpu and out.dtype is inp.dtype and out.is_contiguous() \
+            and inp.is_contiguous():
+        rt = _rt()
+        key = (_K_AG, inp.dtype, group, backend, async_op)
+        bound = rt.choices.get(key)
+        if bound is not None and bound(out.data_ptr(), out.numel(), inp.data_ptr(),
+                                       inp.numel(), (out, inp)) is None:
+            return None
+        o, i = _facts(out), _facts(inp)
+        if o is not None and i is not None:
+            done = _fp.all_gather(rt, o[0], o[1], i[0], i[1], i[2], (out, inp), group,
+                                  async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.all_gather_into_tensor(_b(output_tensor), _b(input_tensor), group, async_op,
@@ -187,11 +239,19 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
                           backend=None, compression=None):
-    if compression is None:
+    if compression is None and type(output) in _PLAIN and type(input) in _PLAIN \
+            and output.is_cpu and input.is_cpu and output.dtype is input.dtype \
+            and output.is_contiguous() and input.is_contiguous():
+        rt = _rt()
+        key = (_K_RS, input.dtype, op, group, backend, async_op)
+        bound = rt.choices.get(key)
+        if bound is not None and bound(output.data_ptr(), output.numel(), input.data_ptr(),
+                                       input.numel(), (output, input)) is None:
+            return None
         o, i = _facts(output), _facts(input)
-        if o is not None and i is not None and o[2] is i[2]:
-            done = _fp.reduce_scatter(_rt(), o[0], o[1], i[0], i[1], i[2], (output, input), op,
-                                      group, async_op, backend)
+        if o is not None and i is not None:
+            done = _fp.reduce_scatter(rt, o[0], o[1], i[0], i[1], i[2], (output, input), op,
+                                      group, async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend,
@@ -206,13 +266,36 @@ def _rows(t, count: int) -> int:
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op: bool = False, backend=None, compression=None):
-    o, i = (_facts(output), _facts(input)) if compression is None else (None, None)
-    if o is not None and i is not None and o[2] is i[2]:
-        done = _fp.all_to_all(_rt(), o[0], o[1], _rows(output, o[1]), i[0], i[1],
-                              _rows(input, i[1]), i[2], (output, input), output_split_sizes,
-                              input_split_sizes, group, async_op, backend)
-        if done is not _MISS:
-            return done
+    if compression is None and type(output) in _PLAIN and type(input) in _PLAIN \
+            and output.is_cpu and input.is_cpu and output.dtype is input.dtype \
+            and output.is_contiguous() and input.is_contiguous():
+        rt = _rt()
+        key = None
+        if not async_op:  # (only blocking calls are bound)
+            oc, ic = output.numel(), input.numel()
+            if output_split_sizes is None and input_split_sizes is None:
+                key = (_K_A2A, input.dtype, group, backend)
+                bound = rt.choices.get(key)
+                if bound is not None and bound(output.data_ptr(), oc, _rows(output, oc),
+                                               input.data_ptr(), ic, _rows(input, ic),
+                                               (output, input)) is None:
+                    return None
+            else:
+                key = (_K_A2AV, input.dtype, group, backend)
+                bound = rt.choices.get(key)
+                if bound is not None and bound(output.data_ptr(), oc, _rows(output, oc),
+                                               input.data_ptr(), ic, _rows(input, ic),
+                                               output_split_sizes or None,
+                                               input_split_sizes or None,
+                                               (output, input)) is None:
+                    return None
+        o, i = _facts(output), _facts(input)
+        if o is not None and i is not None:
+            done = _fp.all_to_all(rt, o[0], o[1], _rows(output, o[1]), i[0], i[1],
+                                  _rows(input, i[1]), i[2], (output, input), output_split_sizes,
+                                  input_split_sizes, group, async_op, backend, None, key)
+            if done is not _MISS:
+                return done
     return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,
                                    group, async_op, backend, compression)
 

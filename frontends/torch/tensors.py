@@ -16,7 +16,6 @@ from mcrdl_core.memory.buffer import CPU, Buffer, Device
 from mcrdl_core.base.errors import DtypeError, InvalidArgumentError
 from mcrdl_core.dispatch.fastpath import MISS
 from mcrdl_core.dispatch.fastpath import host_all_reduce as _host_all_reduce
-from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
 _DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32: dt.float32,
            torch.float64: dt.float64, torch.int8: dt.int8, torch.uint8: dt.uint8,
@@ -54,30 +53,32 @@ def to_buffer(t) -> Buffer:
     return Buffer(t.data_ptr(), tuple(t.shape), dtype, device, strides, False, t)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as DTensor
+#: the tensor types whose facts the fast path reads (not subclasses such as DTensor)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def facts(t):
     """(address, elements, core dtype) of a plain, contiguous CPU tensor, read off the
     tensor for the core's fast path (``mcrdl_core.dispatch.fastpath``: no Buffer is made, about
     0.4 µs); None for any other tensor (the general path judges it)."""
-    if type(t) in _PLAIN and t.is_cpu and t.is_contiguous():
+    if type(t) in PLAIN and t.is_cpu and t.is_contiguous():
         dtype = _DTYPES.get(t.dtype)
         if dtype is not None:
             return t.data_ptr(), t.numel(), dtype
     return None
 
 
-def fast_all_reduce(t, op, group, async_op, backend):
+def fast_all_reduce(rt, t, op, group, async_op, backend, bind=None):
     """``mcrdl_core.dispatch.fastpath.host_all_reduce`` with its facts read off a plain,
     contiguous CPU tensor (about 0.4 µs, where a Buffer costs 1.2); MISS for any other
     tensor, and whenever the core's fast path does not apply: the caller then takes the
-    general path, which checks everything and raises its errors."""
-    if type(t) in _PLAIN and t.is_cpu and t.is_contiguous():
+    general path, which checks everything and raises its errors. ``bind``: the
+    frontend's key of the call, bound on its first blocking call."""
+    if type(t) in PLAIN and t.is_cpu and t.is_contiguous():
         dtype = _DTYPES.get(t.dtype)
         if dtype is not None:
-            return _host_all_reduce(_rt(), t.data_ptr(), t.numel(), dtype, t, op, group,
-                                    async_op, backend)
+            return _host_all_reduce(rt, t.data_ptr(), t.numel(), dtype, t, op, group,
+                                    async_op, backend, None, bind)
     return MISS
 
 

@@ -15,7 +15,10 @@ Where the backend has a compiled issuer (``Backend.fast_blocking``: the MPI back
 ``mpi_fast.c``), a blocking call alone on its rank issues and polls in one C call, and
 only a request still unfinished after the spin comes back to Python for the engine.
 The general path (``api.py``) calls the Buffer entry of the same function with its
-Buffer, which fills the memo; the facts entries miss until it has.
+Buffer, which fills the memo; the facts entries miss until it has. Shorter still, a
+frontend's blocking call whose key has a compiled issuer runs *bound* (see "Bound
+calls" at the end): one closure per key of the frontend's own arguments, which keeps
+only the per-call checks.
 
 A call takes the general path instead (MISS, before anything is sent) where the fast
 path could not keep the general path's guarantees: ``MCRDL_DEBUG`` (the cross-rank
@@ -124,7 +127,7 @@ def ndarray_all_reduce(rt, arr, op, group, async_op: bool, backend):
 
 
 def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool,
-                    backend, buf=None):
+                    backend, buf=None, bind=None):
     """Issue and (blocking) complete an in-place all-reduce of ``count`` elements of
     ``dtype`` in host memory ``mem`` (an address, or an object MPI can read as a buffer:
     a NumPy array); return None (blocking) or the Work (async), or MISS if the general
@@ -135,7 +138,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     them off the tensor, mcrdl_core off a NumPy array's flags): no Buffer is made.
     ``owner`` is what keeps the memory alive while an async call is in flight. Without
     ``buf`` (the Buffer entry's), a key not memoized yet is a MISS: the caller's general
-    path then checks the call and fills the memo."""
+    path then checks the call and fills the memo. ``bind``: the frontend's key of a
+    bound call (see "Bound calls" below), with ``mem`` an address."""
     if rt.observed or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
         return MISS
     g = rt.group(group)  # liveness and broken-group checks, every call
@@ -153,6 +157,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
             return MISS
         plan = choice[key] = _plan(rt, g, buf, backend, op)
     be, issue, _, blocking = plan
+    if bind is not None and _bindable(rt, plan, g, backend, async_op, op):
+        choice[bind] = _bind_in_place(rt, g, plan, Op.ALL_REDUCE, dtype.itemsize, True)
     eng = rt.engine
     if issue is None or eng.inflight or eng.pending:
         return MISS
@@ -289,9 +295,13 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
             left = blocking(eng.spin_s, *args)
             if left is None or (source and left.__class__ is int):
                 return left  # done (a receive: its source)
+            if left is False:  # an issuer that judges its arguments refused them
+                return MISS
             req = be.fast_request(left)
         else:
             req = issue(*args)
+            if req is False:
+                return MISS
             if _done_alone(eng, req):
                 return req.source() if source else None
         be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
@@ -306,6 +316,8 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     if logging_on:
         t0 = time.perf_counter()
     req = issue(*args)
+    if req is False:
+        return MISS
     if not async_op and not inflight:
         if not _spin_polling(eng, req.Test):
             be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
@@ -326,32 +338,36 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
 
 
 def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op, backend,
-              buf):
+              buf, bind):
     """A rooted in-place op (broadcast, reduce) of ``count`` elements at ``ptr``; ``root``
     is a global rank (``what`` names the argument in errors)."""
     if rt.observed:
         return MISS
     g = rt.group(group)
-    root = g.group_rank(root, what)
+    rank = g.group_rank(root, what)
     nbytes = count * dtype.itemsize
-    plan = _lookup(rt, _T[op], g, dtype, backend, (red, root), nbytes, buf,
-                   (op, g, buf, backend, red, root))
+    plan = _lookup(rt, _T[op], g, dtype, backend, (red, rank), nbytes, buf,
+                   (op, g, buf, backend, red, rank))
     if plan is None or plan[1] is None:
         return MISS
+    if bind is not None and _bindable(rt, plan, g, backend, async_op, red, root):
+        rt.choices[bind] = _bind_in_place(rt, g, plan, op, dtype.itemsize, False)
     return _run(rt, plan, op, g, (ptr, count), (owner,), async_op, nbytes, 0, 0,
                 ptr, ptr + nbytes)
 
 
-def broadcast(rt, ptr, count, dtype, owner, src, group, async_op, backend, buf=None):
+def broadcast(rt, ptr, count, dtype, owner, src, group, async_op, backend, buf=None,
+              bind=None):
     """In-place broadcast of ``count`` elements at ``ptr`` from global rank ``src``."""
     return _in_place(rt, Op.BROADCAST, ptr, count, dtype, owner, src, "src", None, group,
-                     async_op, backend, buf)
+                     async_op, backend, buf, bind)
 
 
-def reduce(rt, ptr, count, dtype, owner, dst, op, group, async_op, backend, buf=None):
+def reduce(rt, ptr, count, dtype, owner, dst, op, group, async_op, backend, buf=None,
+           bind=None):
     """In-place reduce of ``count`` elements at ``ptr`` onto global rank ``dst``."""
     return _in_place(rt, Op.REDUCE, ptr, count, dtype, owner, dst, "dst", op, group, async_op,
-                     backend, buf)
+                     backend, buf, bind)
 
 
 def _apart(out_ptr, out_bytes, in_ptr, in_bytes) -> bool:
@@ -360,7 +376,7 @@ def _apart(out_ptr, out_bytes, in_ptr, in_bytes) -> bool:
 
 
 def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners, red, group,
-              async_op, backend, buf, gathers):
+              async_op, backend, buf, gathers, bind):
     """all_gather (``gathers``: the small block is the input) or reduce_scatter (the
     small block is the output) of one block per rank: ``big_count`` = group size x
     ``small_count``, the two apart in memory."""
@@ -374,6 +390,8 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
     plan = _lookup(rt, _T[op], g, dtype, backend, red, small, buf, (op, g, buf, backend, red))
     if plan is None or plan[1] is None:
         return MISS
+    if bind is not None and _bindable(rt, plan, g, backend, async_op, red):
+        rt.choices[bind] = _bind_blocks(rt, g, plan, op, dtype.itemsize, gathers)
     args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
     if gathers:  # reads the small block, writes the big one
         return _run(rt, plan, op, g, args, owners, async_op, big, small_ptr,
@@ -383,42 +401,26 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
 
 
 def all_gather(rt, out_ptr, out_count, in_ptr, in_count, dtype, owners, group, async_op,
-               backend, buf=None):
+               backend, buf=None, bind=None):
     """``all_gather_into_tensor``: ``in_count`` elements at ``in_ptr`` from every rank
     into ``out_count`` (= group size x ``in_count``) at ``out_ptr``."""
     return _block_op(rt, Op.ALL_GATHER, in_ptr, in_count, out_ptr, out_count, dtype, owners,
-                     None, group, async_op, backend, buf, True)
+                     None, group, async_op, backend, buf, True, bind)
 
 
 def reduce_scatter(rt, out_ptr, out_count, in_ptr, in_count, dtype, owners, op, group,
-                   async_op, backend, buf=None):
+                   async_op, backend, buf=None, bind=None):
     """``reduce_scatter_tensor``: ``in_count`` (= group size x ``out_count``) elements
     at ``in_ptr`` reduced across ranks, this rank's block into ``out_ptr``."""
     return _block_op(rt, Op.REDUCE_SCATTER, out_ptr, out_count, in_ptr, in_count, dtype, owners,
-                     op, group, async_op, backend, buf, False)
-
-
-def _counts(splits, rows: int, count: int, n: int):
-    """Element counts per peer from split sizes along dim 0, or None where they do not
-    fit (the general path then raises its error)."""
-    if len(splits) != n:
-        return None
-    per_row = count // rows if rows else 0
-    total = 0
-    counts = []
-    for s in splits:
-        s = int(s)
-        if s < 0:
-            return None
-        total += s
-        counts.append(s * per_row)
-    return counts if total == rows else None
+                     op, group, async_op, backend, buf, False, bind)
 
 
 def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtype, owners,
-               out_splits, in_splits, group, async_op, backend, buf=None):
+               out_splits, in_splits, group, async_op, backend, buf=None, bind=None):
     """``all_to_all_single``: even (no split sizes: one ``MPI_Ialltoall``) or by split
-    sizes along dim 0 (``MPI_Ialltoallv``); ``*_rows`` are the tensors' dim 0."""
+    sizes along dim 0 (``MPI_Ialltoallv``); ``*_rows`` are the tensors' dim 0. Uneven
+    splits are judged by the issuer, which sends nothing where they do not fit."""
     if rt.observed or _ENV.get(_COMPRESSION):
         return MISS
     g = rt.group(group)
@@ -435,25 +437,27 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                        (Op.ALL_TO_ALL, g, buf, backend, None, None, in_bytes))
         if plan is None or plan[1] is None:
             return MISS
+        if bind is not None and _bindable(rt, plan, g, backend, async_op):
+            rt.choices[bind] = _bind_all_to_all(rt, g, plan, isz)
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
     if rt.table is not None and backend in (None, "auto") and g.backend is None:
         return MISS  # a table decides by size, and an uneven call has none in common
-    out_counts = (_counts(out_splits, out_rows, out_count, n) if out_splits
-                  else (None if out_rows % n else [out_count // n] * n))
-    in_counts = (_counts(in_splits, in_rows, in_count, n) if in_splits
-                 else (None if in_rows % n else [in_count // n] * n))
-    if out_counts is None or in_counts is None or out_counts[g.rank] != in_counts[g.rank]:
-        return MISS
     plan = _lookup(rt, _T_UNEVEN, g, dtype, backend, None, None, buf,
                    (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
     if plan is None or plan[1] is None:
         return MISS
-    return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, out_counts, in_counts),
+    if bind is not None and _bindable(rt, plan, g, backend, async_op):
+        rt.choices[bind] = _bind_all_to_all_v(rt, g, plan, isz)
+    # the issuer judges the splits (False, nothing sent, where they do not fit: MISS)
+    return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, out_count, out_rows, in_ptr, in_count,
+                                             in_rows, out_splits or None, in_splits or None),
                 owners, async_op, in_bytes, *bounds)
 
 
-def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=None):
+def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=None,
+         bind=None):
+    """Send ``count`` elements at ``ptr`` to global rank ``dst``."""
     if rt.observed:
         return MISS
     g = rt.group(group)
@@ -463,11 +467,14 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
                    (Op.SEND, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
+    if bind is not None and _bindable(rt, plan, g, backend, async_op, dst):
+        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.SEND, dtype.itemsize, peer)
     return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
 
-def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=None):
+def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=None,
+         bind=None):
     """Blocking: the sender's global rank; async: the Work (its ``result()`` is that)."""
     if rt.observed:
         return MISS
@@ -478,6 +485,8 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
                    (Op.RECV, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
+    if bind is not None and _bindable(rt, plan, g, backend, async_op, src):
+        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.RECV, dtype.itemsize, peer)
     done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
@@ -499,3 +508,144 @@ def barrier(rt, group, async_op, backend, probe):
         return MISS
     return _run(rt, plan, Op.BARRIER, g, (), (), async_op, 0, 0, 0, 0, 0)
 
+
+
+# --- bound calls -------------------------------------------------------------------------
+# The frontends' shortest path. A frontend key is a call's own arguments that fix
+# everything but the memory (op, the framework's dtype, root or peer, group, backend,
+# async): where its plan has a compiled blocking issuer and no tuning table decides by
+# size, the entry above that serves a blocking call of it (the first call of a key fills
+# the memo through the general path, the next one comes here) binds a closure over
+# what the key fixes (the group, the root's or peer's group rank, the issuer) and stores
+# it in ``Runtime.choices`` under the frontend's key, so that whatever drops the plans
+# (``set_table``, ``set_override``, ``destroy``) drops the closures too. A later call
+# of the key gets the closure with one dict lookup and pays only the checks that can
+# change from call to call: runtime usable, group not broken, no observer, nothing in
+# flight or deferred, logger off, no MCRDL_COMPRESSION (ops with codecs), counts that
+# fit the group, input and output apart. Where one fails the closure returns MISS
+# before anything is sent, and the frontend calls the entry above, which handles that
+# case (or the general path, which raises its error). What a bound call sends, and
+# how it waits for a request still unfinished after the spin, is the entry's.
+
+
+_KEYABLE = (int, str, ReduceOp, type(None))
+
+
+def _bindable(rt, plan, g, backend, async_op, *args) -> bool:
+    """Whether a blocking call's key may be bound: a compiled issuer, no table deciding
+    by size, and key arguments (root, peer, reduce op) of kinds that compare by value
+    (an int, a str, a ReduceOp, None: an object hashed by identity, a 0-d tensor given
+    as a root, would make a new key on every call)."""
+    return (not async_op and plan[3] is not None
+            and (rt.table is None or backend not in (None, "auto") or g.backend is not None)
+            and all(a.__class__ in _KEYABLE for a in args))
+
+
+def _bind_in_place(rt, g, plan, op, isz, codecs):
+    """all_reduce (``codecs``: MCRDL_COMPRESSION applies), broadcast, reduce:
+    ``call(ptr, count, owner)``."""
+    be, _, _, blocking = plan
+    eng = rt.engine
+
+    def call(ptr, count, owner):
+        if (rt.unusable is not None or g.broken is not None or rt.observed or eng.inflight
+                or eng.pending or rt.logger.enabled or (codecs and _ENV.get(_COMPRESSION))):
+            return MISS
+        left = blocking(eng.spin_s, ptr, count)
+        if left is not None:  # not done within the spin: the engine's wait
+            be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
+                         (ptr, ptr + count * isz, True)), (owner,)).wait()
+        return None
+    return call
+
+
+def _bind_blocks(rt, g, plan, op, isz, gathers):
+    """all_gather_into_tensor (``gathers``) and reduce_scatter_tensor:
+    ``call(out_ptr, out_count, in_ptr, in_count, owners)``."""
+    be, _, _, blocking = plan
+    eng = rt.engine
+    n = g.size
+
+    def call(out_ptr, out_count, in_ptr, in_count, owners):
+        small, big = (in_count, out_count) if gathers else (out_count, in_count)
+        out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
+        if (big != n * small or (small and out_ptr < in_end and in_ptr < out_end)
+                or rt.unusable is not None or g.broken is not None or rt.observed
+                or eng.inflight or eng.pending or rt.logger.enabled or _ENV.get(_COMPRESSION)):
+            return MISS
+        left = blocking(eng.spin_s, out_ptr, in_ptr, small)
+        if left is not None:
+            be.fast_work(op, g, be.fast_request(left), ((in_ptr, in_end, False),
+                         (out_ptr, out_end, True)), owners).wait()
+        return None
+    return call
+
+
+def _bind_all_to_all(rt, g, plan, isz):
+    """all_to_all_single without split sizes:
+    ``call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners)``."""
+    be, _, _, blocking = plan
+    eng = rt.engine
+    n = g.size
+
+    def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners):
+        out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
+        if (in_count != out_count or in_rows % n or out_rows % n
+                or (in_count and out_ptr < in_end and in_ptr < out_end)
+                or rt.unusable is not None or g.broken is not None or rt.observed
+                or eng.inflight or eng.pending or rt.logger.enabled or _ENV.get(_COMPRESSION)):
+            return MISS
+        left = blocking(eng.spin_s, out_ptr, in_ptr, in_count // n)
+        if left is not None:
+            be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
+                         (out_ptr, out_end, True)), owners).wait()
+        return None
+    return call
+
+
+def _bind_all_to_all_v(rt, g, plan, isz):
+    """all_to_all_single by split sizes (the issuer judges them): ``call(out_ptr,
+    out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits, owners)``."""
+    be, _, _, blocking = plan
+    eng = rt.engine
+
+    def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits,
+             owners):
+        out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
+        if ((in_count and out_count and out_ptr < in_end and in_ptr < out_end)
+                or rt.unusable is not None or g.broken is not None or rt.observed
+                or eng.inflight or eng.pending or rt.logger.enabled or _ENV.get(_COMPRESSION)):
+            return MISS
+        left = blocking(eng.spin_s, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows,
+                        out_splits, in_splits)
+        if left is None:
+            return None
+        if left is False:
+            return MISS
+        be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
+                     (out_ptr, out_end, True)), owners).wait()
+        return None
+    return call
+
+
+def _bind_p2p(rt, g, plan, op, isz, peer):
+    """send, recv (``peer`` None: any source): ``call(ptr, count, tag, owner)``; a
+    receive returns the sender's global rank."""
+    be, _, _, blocking = plan
+    eng = rt.engine
+    ranks = g.ranks
+    receives = op is Op.RECV
+
+    def call(ptr, count, tag, owner):
+        if (tag.__class__ is not int or rt.unusable is not None or g.broken is not None
+                or rt.observed or eng.inflight or eng.pending or rt.logger.enabled):
+            return MISS
+        left = blocking(eng.spin_s, ptr, count, peer, tag)
+        if left is None or left.__class__ is int:
+            return None if left is None else ranks[left]
+        req = be.fast_request(left)
+        span = (ptr, ptr + count * isz)
+        be.fast_work(op, g, req, ((*span, False), (0, 0, True)) if not receives
+                     else ((0, 0, False), (*span, True)), (owner,)).wait()
+        return ranks[req.source()] if receives else None
+    return call

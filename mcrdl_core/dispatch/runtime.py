@@ -69,7 +69,7 @@ class Runtime:
         self._caches: dict = {}  # name -> a cache of a module, per runtime (cache())
         self.logger = comm_logger()
         self.alive = True
-        self._unusable = None  # why calls are refused: destroyed (see check_alive)
+        self.unusable = None  # why calls are refused: "destroyed" or "broken" (check_alive)
         self.connect(self.world)
 
     # --- observers ----------------------------------------------------------------------
@@ -241,7 +241,7 @@ class Runtime:
     def group(self, group) -> Group:
         """Resolve None to the world and check that this rank is a member, that the
         runtime is alive and that the group is not broken (two attribute tests)."""
-        if self._unusable is not None:
+        if self.unusable is not None:
             self.check_alive()
         if group is None:
             if self.world.broken is not None:
@@ -330,7 +330,7 @@ class Runtime:
         set-up exchange that timed out (no group) makes every later call refuse."""
         _faults.timed_out(works, error)
         if _faults.runtime_fault is not None:
-            self._unusable = "broken"
+            self.unusable = "broken"
 
     def destroy(self) -> None:
         """Wait for in-flight work (under the timeout), then release communicators. Work
@@ -350,7 +350,7 @@ class Runtime:
         self.choices.clear()
         self._caches.clear()
         self.alive = False
-        self._unusable = "destroyed"
+        self.unusable = "destroyed"
 
 
 _RUNTIME: Runtime | None = None

@@ -164,7 +164,13 @@ def test_async_collectives_in_flight_are_ordered_by_memory():
 
 
 def test_aliased_output_and_input_take_the_general_path():
+    """Also after the keys were bound (two calls apart; tests/mpi/test_bound_calls.py)."""
     n = SIZE
+    for _ in range(2):
+        dist.all_gather_into_tensor(torch.zeros(3 * n, dtype=F), torch.ones(3, dtype=F),
+                                    backend="mpi")
+        dist.reduce_scatter_tensor(torch.zeros(2, dtype=F), torch.ones(2 * n, dtype=F),
+                                   backend="mpi")
     for _ in range(2):
         x = torch.zeros(3 * n, dtype=F)
         x[RANK * 3:(RANK + 1) * 3] = values(RANK, 3, F)
@@ -283,6 +289,14 @@ def _late_peer_call(op, salt):
         theirs = stack(range(n), 2 * n, salt)
         np.testing.assert_array_equal(out.numpy(),
                                       theirs[:, 2 * RANK:2 * RANK + 2].reshape(-1))
+    elif op == "all_to_all_v":  # by split sizes: (i + 2j) % 3 rows of 2 from i to j
+        rows = [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
+        ins = [values(i, 2 * sum(rows[i]), F, salt).reshape(-1, 2) for i in range(n)]
+        out = torch.zeros(sum(rows[i][RANK] for i in range(n)), 2, dtype=F)
+        dist.all_to_all_single(out, ins[RANK], [rows[i][RANK] for i in range(n)], rows[RANK],
+                               backend="mpi")
+        want = [ins[i][sum(rows[i][:RANK]):sum(rows[i][:RANK + 1])].numpy() for i in range(n)]
+        np.testing.assert_array_equal(out.numpy(), np.concatenate(want))
     elif op == "send_recv":  # to the next rank, from any source; even ranks send first
         r = torch.zeros(4, dtype=F)
         nxt, prv = (RANK + 1) % n, (RANK - 1) % n
@@ -299,7 +313,8 @@ def _late_peer_call(op, salt):
 
 
 @pytest.mark.parametrize("op", ["broadcast", "reduce", "all_reduce", "all_gather",
-                                "reduce_scatter", "all_to_all", "send_recv", "barrier"])
+                                "reduce_scatter", "all_to_all", "all_to_all_v", "send_recv",
+                                "barrier"])
 def test_a_late_peer_of_every_blocking_op_hands_the_wait_over(monkeypatch, op):
     """No spin: a call its peer has not joined is unfinished when the issuer returns,
     and the engine's wait completes it (with the compiled issuer: from the handle it
@@ -316,7 +331,7 @@ def test_a_late_peer_of_every_blocking_op_hands_the_wait_over(monkeypatch, op):
 
 def test_the_compiled_issuer_is_used_where_built():
     """With the module built (``make install`` builds it) and MCRDL_MPI_FAST on, every
-    memoized MPI plan but the uneven all-to-all's has the compiled issuer; off, none."""
+    memoized MPI plan has the compiled issuer (the uneven all-to-all's too); off, none."""
     from mcrdl_backends import mpi as mpi_backend
     mod, why = mpi_backend.compiled()
     on = mpi_backend.fast_module() is not None
@@ -324,13 +339,14 @@ def test_the_compiled_issuer_is_used_where_built():
         assert mod is not None, why
         assert on
     for op in ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter",
-               "all_to_all", "barrier"):
+               "all_to_all", "all_to_all_v", "barrier"):
+        _late_peer_call(op, 0)
         _late_peer_call(op, 0)
     plans = {k[0]: v for k, v in mcrdl_core.get_runtime().choices.items()
              if isinstance(k[0], str) and k[0].startswith("fast:") and v[1] is not None}
-    assert {"fast:broadcast", "fast:all_reduce", "fast:barrier"} <= set(plans)
+    assert {"fast:broadcast", "fast:all_reduce", "fast:barrier", "fast:all_to_all_v"} <= set(plans)
     for tag, plan in plans.items():
-        assert (plan[3] is not None) == (on and tag != "fast:all_to_all_v"), (tag, plan)
+        assert (plan[3] is not None) == on, (tag, plan)
 
 
 def test_the_compiled_module_raises_what_mpi_reports():

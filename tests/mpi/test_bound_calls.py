@@ -1,0 +1,278 @@
+"""Bound calls (mcrdl_core/dispatch/fastpath.py, "Bound calls"): where the compiled MPI
+issuer is in use, the first blocking call of a frontend key that the fast path serves
+(the second: the first fills the memo) binds a closure, and later
+calls of the key run through it with NumPy's result on every rank (a late peer too, on
+the world and on a subgroup whose ranks are reversed). A closure steps aside, before
+anything is sent, for everything it does not handle (a logger, an observer,
+MCRDL_COMPRESSION, work in flight, counts that do not fit, a broken group), and the frontend's next path then gives the same results and errors as before;
+whatever drops the plans drops the closures."""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mcrdl_core
+import mcrdl_torch as dist
+from mcrdl_core.base.errors import BrokenGroupError, InvalidArgumentError
+from mcrdl_core.dispatch.fastpath import MISS
+from mcrdl_core.observe.logger import logger
+from conftest import RANK, SIZE, SUB_RANKS, values
+
+F = torch.float64
+OPS = ["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+       "all_to_all_v", "send_recv"]
+TAGS = {"broadcast": "bound:torch.broadcast", "reduce": "bound:torch.reduce",
+        "all_reduce": "bound:torch.all_reduce",
+        "all_gather": "bound:torch.all_gather_into_tensor",
+        "reduce_scatter": "bound:torch.reduce_scatter_tensor",
+        "all_to_all": "bound:torch.all_to_all_single",
+        "all_to_all_v": "bound:torch.all_to_all_single_v"}
+
+
+@pytest.fixture(autouse=True)
+def compiled():
+    from mcrdl_backends import mpi as mpi_backend
+    if mpi_backend.fast_module() is None:
+        pytest.skip("calls are bound only where the compiled MPI issuer is in use")
+
+
+def bound():
+    """{tag: closure} of the runtime's bound calls (the last of each tag)."""
+    return {k[0]: v for k, v in mcrdl_core.get_runtime().choices.items()
+            if isinstance(k[0], str) and k[0].startswith("bound:")}
+
+
+def stack(ranks, count, salt=0):
+    return np.stack([values(r, count, F, salt).numpy() for r in ranks])
+
+
+def call(op, salt, group=None, ranks=None):
+    """One blocking call of ``op`` on ``group`` (``ranks``: its global ranks, in group
+    order), its result checked against NumPy on this rank."""
+    ranks = list(range(SIZE)) if ranks is None else ranks
+    n, me = len(ranks), ranks.index(RANK)
+    if op == "broadcast":
+        t = values(RANK, 3, F, salt)
+        assert dist.broadcast(t, ranks[-1], group, backend="mpi") is None
+        np.testing.assert_array_equal(t.numpy(), values(ranks[-1], 3, F, salt).numpy())
+    elif op == "reduce":
+        t = values(RANK, 3, F, salt)
+        dist.reduce(t, ranks[-1], dist.ReduceOp.SUM, group, backend="mpi")
+        if me == n - 1:
+            np.testing.assert_array_equal(t.numpy(), stack(ranks, 3, salt).sum(0))
+    elif op == "all_reduce":
+        t = values(RANK, 3, F, salt)
+        dist.all_reduce(t, dist.ReduceOp.MAX, group, backend="mpi")
+        np.testing.assert_array_equal(t.numpy(), stack(ranks, 3, salt).max(0))
+    elif op == "all_gather":
+        out = torch.zeros(2 * n, dtype=F)
+        dist.all_gather_into_tensor(out, values(RANK, 2, F, salt), group, backend="mpi")
+        np.testing.assert_array_equal(out.numpy(), stack(ranks, 2, salt).reshape(-1))
+    elif op == "reduce_scatter":
+        out = torch.zeros(2, dtype=F)
+        dist.reduce_scatter_tensor(out, values(RANK, 2 * n, F, salt), group=group,
+                                   backend="mpi")
+        np.testing.assert_array_equal(out.numpy(),
+                                      stack(ranks, 2 * n, salt).sum(0)[2 * me:2 * me + 2])
+    elif op == "all_to_all":  # 2-D: dim 0 is what must divide by the group's size
+        out = torch.zeros(n, 2, dtype=F)
+        dist.all_to_all_single(out, values(RANK, 2 * n, F, salt).reshape(n, 2), group=group,
+                               backend="mpi")
+        np.testing.assert_array_equal(out.numpy().reshape(-1),
+                                      stack(ranks, 2 * n, salt)[:, 2 * me:2 * me + 2].reshape(-1))
+    elif op == "all_to_all_v":  # by split sizes: (i + 2j + salt) % 3 rows of 2 from i to j
+        rows = [[(i + 2 * j + salt) % 3 for j in range(n)] for i in range(n)]
+        ins = [values(ranks[i], 2 * sum(rows[i]), F, salt).reshape(-1, 2) for i in range(n)]
+        out = torch.zeros(sum(rows[i][me] for i in range(n)), 2, dtype=F)
+        dist.all_to_all_single(out, ins[me], [rows[i][me] for i in range(n)], rows[me],
+                               group=group, backend="mpi")
+        want = [ins[i][sum(rows[i][:me]):sum(rows[i][:me + 1])].numpy() for i in range(n)]
+        np.testing.assert_array_equal(out.numpy(), np.concatenate(want))
+    else:  # send/recv in pairs of group ranks (0, 1), (2, 3), ...; an odd last one idles
+        peer = me ^ 1
+        if peer < n:
+            r = torch.zeros(4, dtype=F)
+            mine = values(RANK, 4, F, salt)
+            first, second = ((dist.send, (mine, ranks[peer])), (dist.recv, (r, None))) \
+                if me % 2 == 0 else ((dist.recv, (r, ranks[peer])), (dist.send, (mine, ranks[peer])))
+            got = [f(*args, group=group, tag=salt, backend="mpi") for f, args in (first, second)]
+            assert ranks[peer] in got
+            np.testing.assert_array_equal(r.numpy(), values(ranks[peer], 4, F, salt).numpy())
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("where", ["world", "sub"])
+@pytest.mark.parametrize("op", OPS)
+def test_repeated_blocking_calls_run_bound_and_stay_right(monkeypatch, op, where, late):
+    """Later calls of a key run through its closure (the regular entry is not called),
+    with NumPy's results; a late peer (no spin) leaves the closure's request to the
+    engine's wait."""
+    group, ranks = (None, None) if where == "world" else (dist.new_group(SUB_RANKS), SUB_RANKS)
+    if ranks is not None and RANK not in ranks:
+        pytest.skip("not a member of the subgroup")
+    if late:
+        monkeypatch.setattr(mcrdl_core.get_runtime().engine, "spin_s", 0.0)
+    call(op, 0, group, ranks)  # the general path: fills the memo
+    call(op, 0, group, ranks)  # the regular entry: binds
+    if op != "send_recv":
+        assert TAGS[op] in bound()
+    from mcrdl_core.dispatch import fastpath
+
+    def refuse(*a, **k):
+        raise AssertionError("a bound key took the regular entry")
+    for name in ("broadcast", "reduce", "host_all_reduce", "all_gather", "reduce_scatter",
+                 "all_to_all", "send", "recv"):
+        monkeypatch.setattr(fastpath, name, refuse)
+    import mcrdl_torch.tensors as tensors
+    monkeypatch.setattr(tensors, "_host_all_reduce", refuse)
+    for salt in range(1, 4):
+        if late and RANK == (ranks or list(range(SIZE)))[-1]:
+            time.sleep(0.01)
+        call(op, salt, group, ranks)
+    assert not mcrdl_core.get_runtime().engine.inflight
+
+
+def _bind_all():
+    for op in OPS[:-1] * 2:
+        call(op, 0)
+    assert set(TAGS.values()) <= set(bound())
+
+
+def _tensors(n):
+    """Arguments of each closure for valid calls of 2 elements per rank."""
+    t, big, small = torch.ones(2, dtype=F), torch.ones(2 * n, dtype=F), torch.ones(2, dtype=F)
+    a2a_in, a2a_out = torch.ones(2 * n, dtype=F), torch.ones(2 * n, dtype=F)
+    return {
+        "bound:torch.broadcast": (t.data_ptr(), 2, t),
+        "bound:torch.reduce": (t.data_ptr(), 2, t),
+        "bound:torch.all_reduce": (t.data_ptr(), 2, t),
+        "bound:torch.all_gather_into_tensor": (big.data_ptr(), 2 * n, small.data_ptr(), 2,
+                                               (big, small)),
+        "bound:torch.reduce_scatter_tensor": (small.data_ptr(), 2, big.data_ptr(), 2 * n,
+                                              (small, big)),
+        "bound:torch.all_to_all_single": (a2a_out.data_ptr(), 2 * n, 2 * n,
+                                          a2a_in.data_ptr(), 2 * n, 2 * n, (a2a_out, a2a_in)),
+        "bound:torch.all_to_all_single_v": (a2a_out.data_ptr(), 2 * n, 2 * n,
+                                            a2a_in.data_ptr(), 2 * n, 2 * n, [2] * n, [2] * n,
+                                            (a2a_out, a2a_in)),
+    }
+
+
+def test_a_closure_steps_aside_before_sending(monkeypatch):
+    """Each closure returns MISS (sending nothing: no rank would match it) while the
+    logger is on, an observer watches, work is in flight or deferred, and (ops with
+    codecs) MCRDL_COMPRESSION is set."""
+    _bind_all()
+    rt = mcrdl_core.get_runtime()
+    closures, args = bound(), _tensors(SIZE)
+    lg = logger()
+    codecs = {"bound:torch.all_reduce", "bound:torch.all_gather_into_tensor",
+              "bound:torch.reduce_scatter_tensor", "bound:torch.all_to_all_single",
+              "bound:torch.all_to_all_single_v"}
+
+    class Quiet(mcrdl_core.Observer):
+        def before(self, *a, **k):
+            pass
+
+        def after(self, *a, **k):
+            pass
+    states = {
+        "logger": lambda on: lg.enable() if on else lg.disable(),
+        "observer": lambda on: rt.watch(Quiet(), "quiet") if on else rt.unwatch("quiet"),
+        "inflight": lambda on: (monkeypatch.setattr(rt.engine, "inflight", [object()]) if on
+                                else monkeypatch.setattr(rt.engine, "inflight", [])),
+        "pending": lambda on: (monkeypatch.setattr(rt.engine, "pending", [object()]) if on
+                               else monkeypatch.setattr(rt.engine, "pending", [])),
+        "compression": lambda on: (monkeypatch.setenv("MCRDL_COMPRESSION", "int8") if on
+                                   else monkeypatch.delenv("MCRDL_COMPRESSION")),
+    }
+    for state, switch in states.items():
+        switch(True)
+        try:
+            for tag, closure in closures.items():
+                if tag not in args or (state == "compression" and tag not in codecs):
+                    continue
+                assert closure(*args[tag]) is MISS, (state, tag)
+        finally:
+            switch(False)
+    lg.clear()
+
+
+def test_counts_that_do_not_fit_after_binding():
+    """A bound key's call with counts or splits that do not fit the group raises the
+    general path's error on every rank (aliased memory after binding:
+    test_fastpath_ops.py's aliasing test)."""
+    _bind_all()
+    n = SIZE
+    for _ in range(2):
+        with pytest.raises(InvalidArgumentError, match="elements"):
+            dist.all_gather_into_tensor(torch.zeros(2 * n + 1, dtype=F), torch.ones(2, dtype=F),
+                                        backend="mpi")
+        with pytest.raises(InvalidArgumentError):
+            dist.reduce_scatter_tensor(torch.zeros(2, dtype=F), torch.ones(2 * n + 1, dtype=F),
+                                       backend="mpi")
+        if n > 1:
+            with pytest.raises(InvalidArgumentError):  # dim 0 does not divide by the size
+                dist.all_to_all_single(torch.zeros(n + 1, 2, dtype=F),
+                                       torch.ones(n + 1, 2, dtype=F), backend="mpi")
+        with pytest.raises(InvalidArgumentError, match="split"):  # n + 1 rows of n
+            dist.all_to_all_single(torch.zeros(n, dtype=F), torch.ones(n, dtype=F),
+                                   [1] * (n - 1) + [2], [1] * (n - 1) + [2], backend="mpi")
+        with pytest.raises(InvalidArgumentError, match="split"):  # a negative one
+            dist.all_to_all_single(torch.zeros(n, dtype=F), torch.ones(n, dtype=F),
+                                   [2, -1] + [1] * (n - 2), [1] * n, backend="mpi")
+
+
+def test_a_bound_call_in_flight_order_and_logger_hold():
+    """With async work in flight a bound key's call takes the regular entry, which
+    orders it against that work; with the logger on it is recorded."""
+    _bind_all()
+    t = values(RANK, 3, F, 1)
+    w = dist.all_reduce(t, dist.ReduceOp.MAX, async_op=True, backend="mpi")
+    b = values(RANK, 3, F, 2)
+    dist.broadcast(b, SIZE - 1, backend="mpi")
+    w.wait()
+    np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, 1).max(0))
+    np.testing.assert_array_equal(b.numpy(), values(SIZE - 1, 3, F, 2).numpy())
+    lg = logger()
+    lg.clear()
+    lg.enable()
+    try:
+        for op in OPS[:-1]:
+            call(op, 3)
+    finally:
+        lg.disable()
+    got = [r[0] for r in lg.records]
+    lg.clear()
+    assert got == ["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter",
+                   "all_to_all", "all_to_all"], got
+
+
+def test_a_broken_group_refuses_a_bound_key_on_every_rank():
+    g = dist.new_group(list(range(SIZE)))
+    t = values(RANK, 3, F)
+    for _ in range(2):
+        dist.broadcast(t, 0, g, backend="mpi")
+    assert "bound:torch.broadcast" in bound()
+    g.mark_broken(RuntimeError("marked by the test"))
+    with pytest.raises(BrokenGroupError, match="marked by the test"):
+        dist.broadcast(t, 0, g, backend="mpi")
+
+
+def test_dropping_the_plans_drops_the_closures_and_odd_keys_are_not_bound():
+    """``set_override`` (like ``set_table`` and ``destroy``) clears the memo, closures
+    included; a root given as a 0-d tensor (hashed by identity: a new key on every call)
+    is never bound."""
+    _bind_all()
+    rt = mcrdl_core.get_runtime()
+    rt.set_override(rt.override)
+    assert not bound()
+    t = values(RANK, 3, F)
+    for _ in range(2):
+        dist.broadcast(t, torch.tensor(SIZE - 1), backend="mpi")
+        np.testing.assert_array_equal(t.numpy(), values(SIZE - 1, 3, F).numpy())
+    assert not bound()
+    call("broadcast", 1)
+    call("broadcast", 1)
+    assert "bound:torch.broadcast" in bound()
