@@ -113,14 +113,12 @@ _K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV = (
 def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
     if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
         rt = _rt()
-        key = None
-        if not async_op:  # (only blocking calls are bound)
-            key = (kind, tensor.dtype, peer, group, backend)
-            bound = rt.choices.get(key)
-            if bound is not None:
-                done = bound(tensor.data_ptr(), tensor.numel(), tag, tensor)
-                if done is not _MISS:
-                    return done
+        key = (kind, tensor.dtype, peer, group, backend, async_op)
+        bound = rt.choices.get(key)
+        if bound is not None:
+            done = bound(tensor.data_ptr(), tensor.numel(), tag, tensor)
+            if done is not _MISS:
+                return done
         f = _facts(tensor)
         if f is not None:
             done = fast(rt, f[0], f[1], f[2], tensor, peer, tag, group, async_op, backend,
@@ -160,8 +158,10 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
         rt = _rt()
         key = (_K_BCAST, tensor.dtype, src, group, backend, async_op)
         bound = rt.choices.get(key)
-        if bound is not None and bound(tensor.data_ptr(), tensor.numel(), tensor) is None:
-            return None
+        if bound is not None:
+            done = bound(tensor.data_ptr(), tensor.numel(), tensor)
+            if done is not _MISS:
+                return done
         f = _facts(tensor)
         if f is not None:
             done = _fp.broadcast(rt, f[0], f[1], f[2], tensor, src, group, async_op, backend,
@@ -178,8 +178,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
         rt = _rt()
         key = (_K_AR, tensor.dtype, op, group, backend, async_op)
         bound = rt.choices.get(key)
-        if bound is not None and bound(tensor.data_ptr(), tensor.numel(), tensor) is None:
-            return None
+        if bound is not None:
+            done = bound(tensor.data_ptr(), tensor.numel(), tensor)
+            if done is not _MISS:
+                return done
         done = _fast_all_reduce(rt, tensor, op, group, async_op, backend, key)
         if done is not _MISS:
             return done
@@ -192,8 +194,10 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
         rt = _rt()
         key = (_K_REDUCE, tensor.dtype, dst, op, group, backend, async_op)
         bound = rt.choices.get(key)
-        if bound is not None and bound(tensor.data_ptr(), tensor.numel(), tensor) is None:
-            return None
+        if bound is not None:
+            done = bound(tensor.data_ptr(), tensor.numel(), tensor)
+            if done is not _MISS:
+                return done
         f = _facts(tensor)
         if f is not None:
             done = _fp.reduce(rt, f[0], f[1], f[2], tensor, dst, op, group, async_op, backend,
@@ -218,9 +222,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
         rt = _rt()
         key = (_K_AG, inp.dtype, group, backend, async_op)
         bound = rt.choices.get(key)
-        if bound is not None and bound(out.data_ptr(), out.numel(), inp.data_ptr(),
-                                       inp.numel(), (out, inp)) is None:
-            return None
+        if bound is not None:
+            done = bound(out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), (out, inp))
+            if done is not _MISS:
+                return done
         o, i = _facts(out), _facts(inp)
         if o is not None and i is not None:
             done = _fp.all_gather(rt, o[0], o[1], i[0], i[1], i[2], (out, inp), group,
@@ -245,9 +250,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
         rt = _rt()
         key = (_K_RS, input.dtype, op, group, backend, async_op)
         bound = rt.choices.get(key)
-        if bound is not None and bound(output.data_ptr(), output.numel(), input.data_ptr(),
-                                       input.numel(), (output, input)) is None:
-            return None
+        if bound is not None:
+            done = bound(output.data_ptr(), output.numel(), input.data_ptr(), input.numel(),
+                         (output, input))
+            if done is not _MISS:
+                return done
         o, i = _facts(output), _facts(input)
         if o is not None and i is not None:
             done = _fp.reduce_scatter(rt, o[0], o[1], i[0], i[1], i[2], (output, input), op,
@@ -270,25 +277,24 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             and output.is_cpu and input.is_cpu and output.dtype is input.dtype \
             and output.is_contiguous() and input.is_contiguous():
         rt = _rt()
-        key = None
-        if not async_op:  # (only blocking calls are bound)
-            oc, ic = output.numel(), input.numel()
-            if output_split_sizes is None and input_split_sizes is None:
-                key = (_K_A2A, input.dtype, group, backend)
-                bound = rt.choices.get(key)
-                if bound is not None and bound(output.data_ptr(), oc, _rows(output, oc),
-                                               input.data_ptr(), ic, _rows(input, ic),
-                                               (output, input)) is None:
-                    return None
-            else:
-                key = (_K_A2AV, input.dtype, group, backend)
-                bound = rt.choices.get(key)
-                if bound is not None and bound(output.data_ptr(), oc, _rows(output, oc),
-                                               input.data_ptr(), ic, _rows(input, ic),
-                                               output_split_sizes or None,
-                                               input_split_sizes or None,
-                                               (output, input)) is None:
-                    return None
+        oc, ic = output.numel(), input.numel()
+        if output_split_sizes is None and input_split_sizes is None:
+            key = (_K_A2A, input.dtype, group, backend, async_op)
+            bound = rt.choices.get(key)
+            if bound is not None:
+                done = bound(output.data_ptr(), oc, _rows(output, oc), input.data_ptr(), ic,
+                             _rows(input, ic), (output, input))
+                if done is not _MISS:
+                    return done
+        else:
+            key = (_K_A2AV, input.dtype, group, backend, async_op)
+            bound = rt.choices.get(key)
+            if bound is not None:
+                done = bound(output.data_ptr(), oc, _rows(output, oc), input.data_ptr(), ic,
+                             _rows(input, ic), output_split_sizes or None,
+                             input_split_sizes or None, (output, input))
+                if done is not _MISS:
+                    return done
         o, i = _facts(output), _facts(input)
         if o is not None and i is not None:
             done = _fp.all_to_all(rt, o[0], o[1], _rows(output, o[1]), i[0], i[1],

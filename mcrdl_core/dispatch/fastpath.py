@@ -16,7 +16,7 @@ Where the backend has a compiled issuer (``Backend.fast_blocking``: the MPI back
 only a request still unfinished after the spin comes back to Python for the engine.
 The general path (``api.py``) calls the Buffer entry of the same function with its
 Buffer, which fills the memo; the facts entries miss until it has. Shorter still, a
-frontend's blocking call whose key has a compiled issuer runs *bound* (see "Bound
+frontend's call whose key has a compiled issuer runs *bound* (see "Bound
 calls" at the end): one closure per key of the frontend's own arguments, which keeps
 only the per-call checks.
 
@@ -158,7 +158,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         plan = choice[key] = _plan(rt, g, buf, backend, op)
     be, issue, _, blocking = plan
     if bind is not None and _bindable(rt, plan, g, backend, async_op, op):
-        choice[bind] = _bind_in_place(rt, g, plan, Op.ALL_REDUCE, dtype.itemsize, True)
+        choice[bind] = _bind_in_place(rt, g, plan, Op.ALL_REDUCE, dtype.itemsize, True,
+                                      async_op)
     eng = rt.engine
     if issue is None or eng.inflight or eng.pending:
         return MISS
@@ -351,7 +352,7 @@ def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and _bindable(rt, plan, g, backend, async_op, red, root):
-        rt.choices[bind] = _bind_in_place(rt, g, plan, op, dtype.itemsize, False)
+        rt.choices[bind] = _bind_in_place(rt, g, plan, op, dtype.itemsize, False, async_op)
     return _run(rt, plan, op, g, (ptr, count), (owner,), async_op, nbytes, 0, 0,
                 ptr, ptr + nbytes)
 
@@ -391,7 +392,7 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and _bindable(rt, plan, g, backend, async_op, red):
-        rt.choices[bind] = _bind_blocks(rt, g, plan, op, dtype.itemsize, gathers)
+        rt.choices[bind] = _bind_blocks(rt, g, plan, op, dtype.itemsize, gathers, async_op)
     args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
     if gathers:  # reads the small block, writes the big one
         return _run(rt, plan, op, g, args, owners, async_op, big, small_ptr,
@@ -438,7 +439,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
         if plan is None or plan[1] is None:
             return MISS
         if bind is not None and _bindable(rt, plan, g, backend, async_op):
-            rt.choices[bind] = _bind_all_to_all(rt, g, plan, isz)
+            rt.choices[bind] = _bind_all_to_all(rt, g, plan, isz, async_op)
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
     if rt.table is not None and backend in (None, "auto") and g.backend is None:
@@ -448,7 +449,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and _bindable(rt, plan, g, backend, async_op):
-        rt.choices[bind] = _bind_all_to_all_v(rt, g, plan, isz)
+        rt.choices[bind] = _bind_all_to_all_v(rt, g, plan, isz, async_op)
     # the issuer judges the splits (False, nothing sent, where they do not fit: MISS)
     return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, out_count, out_rows, in_ptr, in_count,
                                              in_rows, out_splits or None, in_splits or None),
@@ -468,7 +469,7 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and _bindable(rt, plan, g, backend, async_op, dst):
-        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.SEND, dtype.itemsize, peer)
+        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.SEND, dtype.itemsize, peer, async_op)
     return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
@@ -486,7 +487,7 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and _bindable(rt, plan, g, backend, async_op, src):
-        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.RECV, dtype.itemsize, peer)
+        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.RECV, dtype.itemsize, peer, async_op)
     done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
@@ -512,45 +513,69 @@ def barrier(rt, group, async_op, backend, probe):
 
 # --- bound calls -------------------------------------------------------------------------
 # The frontends' shortest path. A frontend key is a call's own arguments that fix
-# everything but the memory (op, the framework's dtype, root or peer, group, backend,
-# async): where its plan has a compiled blocking issuer and no tuning table decides by
-# size, the entry above that serves a blocking call of it (the first call of a key fills
-# the memo through the general path, the next one comes here) binds a closure over
-# what the key fixes (the group, the root's or peer's group rank, the issuer) and stores
-# it in ``Runtime.choices`` under the frontend's key, so that whatever drops the plans
+# everything but the memory (op, the framework's dtype, root or peer, reduce op, group,
+# backend, async): where its plan has a compiled issuer and no tuning table decides by
+# size, the entry above that serves a call of it (the first call of a key fills the memo
+# through the general path, the next one comes here) binds a closure over what the key
+# fixes (the group, the root's or peer's group rank, the issuers) and stores it in
+# ``Runtime.choices`` under the frontend's key, so that whatever drops the plans
 # (``set_table``, ``set_override``, ``destroy``) drops the closures too. A later call
 # of the key gets the closure with one dict lookup and pays only the checks that can
-# change from call to call: runtime usable, group not broken, no observer, nothing in
-# flight or deferred, logger off, no MCRDL_COMPRESSION (ops with codecs), counts that
-# fit the group, input and output apart. Where one fails the closure returns MISS
-# before anything is sent, and the frontend calls the entry above, which handles that
-# case (or the general path, which raises its error). What a bound call sends, and
-# how it waits for a request still unfinished after the spin, is the entry's.
+# change from call to call: runtime usable, group not broken, no observer, nothing
+# deferred, logger off, no MCRDL_COMPRESSION (ops with codecs), counts that fit the
+# group, input and output apart, and then either nothing in flight (blocking) or no
+# memory conflict with what is in flight (async). Where one fails the closure returns
+# MISS before anything is sent, and the frontend calls the entry above, which handles
+# that case (or the general path, which raises its error). What a bound call sends,
+# how a blocking one waits for a request still unfinished after the spin, and how an
+# async one registers its Work, is the entry's.
 
 
 _KEYABLE = (int, str, ReduceOp, type(None))
 
 
 def _bindable(rt, plan, g, backend, async_op, *args) -> bool:
-    """Whether a blocking call's key may be bound: a compiled issuer, no table deciding
-    by size, and key arguments (root, peer, reduce op) of kinds that compare by value
-    (an int, a str, a ReduceOp, None: an object hashed by identity, a 0-d tensor given
-    as a root, would make a new key on every call)."""
-    return (not async_op and plan[3] is not None
+    """Whether a call's key may be bound: a compiled issuer, no table deciding by size,
+    and key arguments (root, peer, reduce op) of kinds that compare by value (an int, a
+    str, a ReduceOp, None: an object hashed by identity, a 0-d tensor given as a root,
+    would make a new key on every call)."""
+    return (plan[3] is not None
             and (rt.table is None or backend not in (None, "auto") or g.backend is not None)
             and all(a.__class__ in _KEYABLE for a in args))
 
 
-def _bind_in_place(rt, g, plan, op, isz, codecs):
-    """all_reduce (``codecs``: MCRDL_COMPRESSION applies), broadcast, reduce:
+def _issue_async(eng, be, op, g, issue, args, spans, keep):
+    """An async bound call: MISS if its memory conflicts with work in flight (the
+    general path orders it) or the issuer refuses its arguments; else its Work,
+    registered with the engine."""
+    inflight = eng.inflight
+    if inflight and _conflicts(inflight, spans):
+        return MISS
+    req = issue(*args)
+    if req is False:
+        return MISS
+    work = be.fast_work(op, g, req, spans, keep)
+    work.engine = eng
+    inflight.append(work)
+    return work
+
+
+def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
+    """all_reduce (``codecs``: MCRDL_COMPRESSION applies; async steps aside while
+    anything is in flight, as its entry does), broadcast, reduce:
     ``call(ptr, count, owner)``."""
-    be, _, _, blocking = plan
+    be, issue, _, blocking = plan
     eng = rt.engine
+    alone = not async_op or op is Op.ALL_REDUCE
 
     def call(ptr, count, owner):
-        if (rt.unusable is not None or g.broken is not None or rt.observed or eng.inflight
-                or eng.pending or rt.logger.enabled or (codecs and _ENV.get(_COMPRESSION))):
+        if (rt.unusable is not None or g.broken is not None or rt.observed
+                or (alone and eng.inflight) or eng.pending or rt.logger.enabled
+                or (codecs and _ENV.get(_COMPRESSION))):
             return MISS
+        if async_op:  # (spans: only the memory it touches; an empty span never conflicts)
+            return _issue_async(eng, be, op, g, issue, (ptr, count),
+                                ((ptr, ptr + count * isz, True),), (owner,))
         left = blocking(eng.spin_s, ptr, count)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
@@ -559,10 +584,10 @@ def _bind_in_place(rt, g, plan, op, isz, codecs):
     return call
 
 
-def _bind_blocks(rt, g, plan, op, isz, gathers):
+def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
     """all_gather_into_tensor (``gathers``) and reduce_scatter_tensor:
     ``call(out_ptr, out_count, in_ptr, in_count, owners)``."""
-    be, _, _, blocking = plan
+    be, issue, _, blocking = plan
     eng = rt.engine
     n = g.size
 
@@ -571,8 +596,12 @@ def _bind_blocks(rt, g, plan, op, isz, gathers):
         out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
         if (big != n * small or (small and out_ptr < in_end and in_ptr < out_end)
                 or rt.unusable is not None or g.broken is not None or rt.observed
-                or eng.inflight or eng.pending or rt.logger.enabled or _ENV.get(_COMPRESSION)):
+                or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
+                or _ENV.get(_COMPRESSION)):
             return MISS
+        if async_op:
+            return _issue_async(eng, be, op, g, issue, (out_ptr, in_ptr, small),
+                                ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners)
         left = blocking(eng.spin_s, out_ptr, in_ptr, small)
         if left is not None:
             be.fast_work(op, g, be.fast_request(left), ((in_ptr, in_end, False),
@@ -581,10 +610,10 @@ def _bind_blocks(rt, g, plan, op, isz, gathers):
     return call
 
 
-def _bind_all_to_all(rt, g, plan, isz):
+def _bind_all_to_all(rt, g, plan, isz, async_op):
     """all_to_all_single without split sizes:
     ``call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners)``."""
-    be, _, _, blocking = plan
+    be, issue, _, blocking = plan
     eng = rt.engine
     n = g.size
 
@@ -593,8 +622,12 @@ def _bind_all_to_all(rt, g, plan, isz):
         if (in_count != out_count or in_rows % n or out_rows % n
                 or (in_count and out_ptr < in_end and in_ptr < out_end)
                 or rt.unusable is not None or g.broken is not None or rt.observed
-                or eng.inflight or eng.pending or rt.logger.enabled or _ENV.get(_COMPRESSION)):
+                or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
+                or _ENV.get(_COMPRESSION)):
             return MISS
+        if async_op:
+            return _issue_async(eng, be, Op.ALL_TO_ALL, g, issue, (out_ptr, in_ptr, in_count // n),
+                                ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners)
         left = blocking(eng.spin_s, out_ptr, in_ptr, in_count // n)
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
@@ -603,10 +636,10 @@ def _bind_all_to_all(rt, g, plan, isz):
     return call
 
 
-def _bind_all_to_all_v(rt, g, plan, isz):
+def _bind_all_to_all_v(rt, g, plan, isz, async_op):
     """all_to_all_single by split sizes (the issuer judges them): ``call(out_ptr,
     out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits, owners)``."""
-    be, _, _, blocking = plan
+    be, issue, _, blocking = plan
     eng = rt.engine
 
     def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits,
@@ -614,10 +647,14 @@ def _bind_all_to_all_v(rt, g, plan, isz):
         out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
         if ((in_count and out_count and out_ptr < in_end and in_ptr < out_end)
                 or rt.unusable is not None or g.broken is not None or rt.observed
-                or eng.inflight or eng.pending or rt.logger.enabled or _ENV.get(_COMPRESSION)):
+                or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
+                or _ENV.get(_COMPRESSION)):
             return MISS
-        left = blocking(eng.spin_s, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows,
-                        out_splits, in_splits)
+        args = (out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits)
+        if async_op:
+            return _issue_async(eng, be, Op.ALL_TO_ALL, g, issue, args,
+                                ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners)
+        left = blocking(eng.spin_s, *args)
         if left is None:
             return None
         if left is False:
@@ -628,24 +665,32 @@ def _bind_all_to_all_v(rt, g, plan, isz):
     return call
 
 
-def _bind_p2p(rt, g, plan, op, isz, peer):
+def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     """send, recv (``peer`` None: any source): ``call(ptr, count, tag, owner)``; a
-    receive returns the sender's global rank."""
-    be, _, _, blocking = plan
+    blocking receive returns the sender's global rank, an async one's Work has it as
+    ``value``."""
+    be, issue, _, blocking = plan
     eng = rt.engine
     ranks = g.ranks
     receives = op is Op.RECV
 
     def call(ptr, count, tag, owner):
         if (tag.__class__ is not int or rt.unusable is not None or g.broken is not None
-                or rt.observed or eng.inflight or eng.pending or rt.logger.enabled):
+                or rt.observed or (not async_op and eng.inflight) or eng.pending
+                or rt.logger.enabled):
             return MISS
+        end = ptr + count * isz
+        if async_op:
+            work = _issue_async(eng, be, op, g, issue, (ptr, count, peer, tag),
+                                ((ptr, end, receives),), (owner,))
+            if receives and work is not MISS:
+                work.add_finalizer(lambda: setattr(work, "value", ranks[work.source()]))
+            return work
         left = blocking(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
             return None if left is None else ranks[left]
         req = be.fast_request(left)
-        span = (ptr, ptr + count * isz)
-        be.fast_work(op, g, req, ((*span, False), (0, 0, True)) if not receives
-                     else ((0, 0, False), (*span, True)), (owner,)).wait()
+        be.fast_work(op, g, req, ((0, 0, False), (ptr, end, True)) if receives
+                     else ((ptr, end, False), (0, 0, True)), (owner,)).wait()
         return ranks[req.source()] if receives else None
     return call

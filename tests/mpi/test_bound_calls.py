@@ -7,6 +7,7 @@ anything is sent, for everything it does not handle (a logger, an observer,
 MCRDL_COMPRESSION, work in flight, counts that do not fit, a broken group), and the frontend's next path then gives the same results and errors as before;
 whatever drops the plans drops the closures."""
 import time
+import types
 
 import numpy as np
 import pytest
@@ -37,56 +38,66 @@ def compiled():
         pytest.skip("calls are bound only where the compiled MPI issuer is in use")
 
 
-def bound():
-    """{tag: closure} of the runtime's bound calls (the last of each tag)."""
+def bound(async_op=False):
+    """{tag: closure} of the runtime's bound calls, blocking or async (the last of each
+    tag)."""
     return {k[0]: v for k, v in mcrdl_core.get_runtime().choices.items()
-            if isinstance(k[0], str) and k[0].startswith("bound:")}
+            if isinstance(k[0], str) and k[0].startswith("bound:") and k[-1] is async_op}
 
 
 def stack(ranks, count, salt=0):
     return np.stack([values(r, count, F, salt).numpy() for r in ranks])
 
 
-def call(op, salt, group=None, ranks=None):
-    """One blocking call of ``op`` on ``group`` (``ranks``: its global ranks, in group
-    order), its result checked against NumPy on this rank."""
+def done(res, async_op):
+    """The result of a blocking call, or of an async one's Work once waited for."""
+    if not async_op:
+        return res
+    assert isinstance(res, dist.Work), res
+    res.wait()
+    return res.result()
+
+
+def call(op, salt, group=None, ranks=None, async_op=False):
+    """One call of ``op`` on ``group`` (``ranks``: its global ranks, in group order),
+    blocking or async and waited for, its result checked against NumPy on this rank."""
     ranks = list(range(SIZE)) if ranks is None else ranks
     n, me = len(ranks), ranks.index(RANK)
+    kw = {"group": group, "async_op": async_op, "backend": "mpi"}
     if op == "broadcast":
         t = values(RANK, 3, F, salt)
-        assert dist.broadcast(t, ranks[-1], group, backend="mpi") is None
+        assert done(dist.broadcast(t, ranks[-1], **kw), async_op) is None
         np.testing.assert_array_equal(t.numpy(), values(ranks[-1], 3, F, salt).numpy())
     elif op == "reduce":
         t = values(RANK, 3, F, salt)
-        dist.reduce(t, ranks[-1], dist.ReduceOp.SUM, group, backend="mpi")
+        done(dist.reduce(t, ranks[-1], dist.ReduceOp.SUM, **kw), async_op)
         if me == n - 1:
             np.testing.assert_array_equal(t.numpy(), stack(ranks, 3, salt).sum(0))
     elif op == "all_reduce":
         t = values(RANK, 3, F, salt)
-        dist.all_reduce(t, dist.ReduceOp.MAX, group, backend="mpi")
+        done(dist.all_reduce(t, dist.ReduceOp.MAX, **kw), async_op)
         np.testing.assert_array_equal(t.numpy(), stack(ranks, 3, salt).max(0))
     elif op == "all_gather":
         out = torch.zeros(2 * n, dtype=F)
-        dist.all_gather_into_tensor(out, values(RANK, 2, F, salt), group, backend="mpi")
+        done(dist.all_gather_into_tensor(out, values(RANK, 2, F, salt), **kw), async_op)
         np.testing.assert_array_equal(out.numpy(), stack(ranks, 2, salt).reshape(-1))
     elif op == "reduce_scatter":
         out = torch.zeros(2, dtype=F)
-        dist.reduce_scatter_tensor(out, values(RANK, 2 * n, F, salt), group=group,
-                                   backend="mpi")
+        done(dist.reduce_scatter_tensor(out, values(RANK, 2 * n, F, salt), **kw), async_op)
         np.testing.assert_array_equal(out.numpy(),
                                       stack(ranks, 2 * n, salt).sum(0)[2 * me:2 * me + 2])
     elif op == "all_to_all":  # 2-D: dim 0 is what must divide by the group's size
         out = torch.zeros(n, 2, dtype=F)
-        dist.all_to_all_single(out, values(RANK, 2 * n, F, salt).reshape(n, 2), group=group,
-                               backend="mpi")
+        done(dist.all_to_all_single(out, values(RANK, 2 * n, F, salt).reshape(n, 2), **kw),
+             async_op)
         np.testing.assert_array_equal(out.numpy().reshape(-1),
                                       stack(ranks, 2 * n, salt)[:, 2 * me:2 * me + 2].reshape(-1))
     elif op == "all_to_all_v":  # by split sizes: (i + 2j + salt) % 3 rows of 2 from i to j
         rows = [[(i + 2 * j + salt) % 3 for j in range(n)] for i in range(n)]
         ins = [values(ranks[i], 2 * sum(rows[i]), F, salt).reshape(-1, 2) for i in range(n)]
         out = torch.zeros(sum(rows[i][me] for i in range(n)), 2, dtype=F)
-        dist.all_to_all_single(out, ins[me], [rows[i][me] for i in range(n)], rows[me],
-                               group=group, backend="mpi")
+        done(dist.all_to_all_single(out, ins[me], [rows[i][me] for i in range(n)], rows[me],
+                                    **kw), async_op)
         want = [ins[i][sum(rows[i][:me]):sum(rows[i][:me + 1])].numpy() for i in range(n)]
         np.testing.assert_array_equal(out.numpy(), np.concatenate(want))
     else:  # send/recv in pairs of group ranks (0, 1), (2, 3), ...; an odd last one idles
@@ -94,29 +105,38 @@ def call(op, salt, group=None, ranks=None):
         if peer < n:
             r = torch.zeros(4, dtype=F)
             mine = values(RANK, 4, F, salt)
-            first, second = ((dist.send, (mine, ranks[peer])), (dist.recv, (r, None))) \
-                if me % 2 == 0 else ((dist.recv, (r, ranks[peer])), (dist.send, (mine, ranks[peer])))
-            got = [f(*args, group=group, tag=salt, backend="mpi") for f, args in (first, second)]
-            assert ranks[peer] in got
+            kw = {"group": group, "tag": salt, "backend": "mpi"}
+            if async_op:  # the receive first, from any source; both in flight
+                wr = dist.irecv(r, None, **kw)
+                ws = dist.isend(mine, ranks[peer], **kw)
+                assert done(ws, True) is None
+                assert done(wr, True) == ranks[peer]
+            else:
+                first, second = ((dist.send, (mine, ranks[peer])), (dist.recv, (r, None))) \
+                    if me % 2 == 0 else ((dist.recv, (r, ranks[peer])),
+                                         (dist.send, (mine, ranks[peer])))
+                got = [f(*args, **kw) for f, args in (first, second)]
+                assert ranks[peer] in got
             np.testing.assert_array_equal(r.numpy(), values(ranks[peer], 4, F, salt).numpy())
 
 
+@pytest.mark.parametrize("async_op", [False, True])
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("where", ["world", "sub"])
 @pytest.mark.parametrize("op", OPS)
-def test_repeated_blocking_calls_run_bound_and_stay_right(monkeypatch, op, where, late):
+def test_repeated_calls_run_bound_and_stay_right(monkeypatch, op, where, late, async_op):
     """Later calls of a key run through its closure (the regular entry is not called),
-    with NumPy's results; a late peer (no spin) leaves the closure's request to the
-    engine's wait."""
+    blocking and async, with NumPy's results; a late peer (no spin) leaves the request to
+    the engine's wait."""
     group, ranks = (None, None) if where == "world" else (dist.new_group(SUB_RANKS), SUB_RANKS)
     if ranks is not None and RANK not in ranks:
         pytest.skip("not a member of the subgroup")
     if late:
         monkeypatch.setattr(mcrdl_core.get_runtime().engine, "spin_s", 0.0)
-    call(op, 0, group, ranks)  # the general path: fills the memo
-    call(op, 0, group, ranks)  # the regular entry: binds
+    call(op, 0, group, ranks, async_op)  # the general path: fills the memo
+    call(op, 0, group, ranks, async_op)  # the regular entry: binds
     if op != "send_recv":
-        assert TAGS[op] in bound()
+        assert TAGS[op] in bound(async_op)
     from mcrdl_core.dispatch import fastpath
 
     def refuse(*a, **k):
@@ -129,14 +149,16 @@ def test_repeated_blocking_calls_run_bound_and_stay_right(monkeypatch, op, where
     for salt in range(1, 4):
         if late and RANK == (ranks or list(range(SIZE)))[-1]:
             time.sleep(0.01)
-        call(op, salt, group, ranks)
+        call(op, salt, group, ranks, async_op)
     assert not mcrdl_core.get_runtime().engine.inflight
 
 
 def _bind_all():
-    for op in OPS[:-1] * 2:
-        call(op, 0)
-    assert set(TAGS.values()) <= set(bound())
+    """Bind every collective's key, blocking and async."""
+    for async_op in (False, True):
+        for op in OPS[:-1] * 2:
+            call(op, 0, async_op=async_op)
+        assert set(TAGS.values()) <= set(bound(async_op))
 
 
 def _tensors(n):
@@ -159,17 +181,21 @@ def _tensors(n):
     }
 
 
-def test_a_closure_steps_aside_before_sending(monkeypatch):
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_closure_steps_aside_before_sending(monkeypatch, async_op):
     """Each closure returns MISS (sending nothing: no rank would match it) while the
-    logger is on, an observer watches, work is in flight or deferred, and (ops with
-    codecs) MCRDL_COMPRESSION is set."""
+    logger is on, an observer watches, work is deferred, work is in flight (blocking;
+    async: work whose memory overlaps the call's), and (ops with codecs)
+    MCRDL_COMPRESSION is set."""
     _bind_all()
     rt = mcrdl_core.get_runtime()
-    closures, args = bound(), _tensors(SIZE)
+    eng = rt.engine
+    closures, args = bound(async_op), _tensors(SIZE)
     lg = logger()
     codecs = {"bound:torch.all_reduce", "bound:torch.all_gather_into_tensor",
               "bound:torch.reduce_scatter_tensor", "bound:torch.all_to_all_single",
               "bound:torch.all_to_all_single_v"}
+    everything = types.SimpleNamespace(spans=((0, 1 << 62, True),))  # writes all memory
 
     class Quiet(mcrdl_core.Observer):
         def before(self, *a, **k):
@@ -180,10 +206,8 @@ def test_a_closure_steps_aside_before_sending(monkeypatch):
     states = {
         "logger": lambda on: lg.enable() if on else lg.disable(),
         "observer": lambda on: rt.watch(Quiet(), "quiet") if on else rt.unwatch("quiet"),
-        "inflight": lambda on: (monkeypatch.setattr(rt.engine, "inflight", [object()]) if on
-                                else monkeypatch.setattr(rt.engine, "inflight", [])),
-        "pending": lambda on: (monkeypatch.setattr(rt.engine, "pending", [object()]) if on
-                               else monkeypatch.setattr(rt.engine, "pending", [])),
+        "inflight": lambda on: (eng.inflight.append if on else eng.inflight.remove)(everything),
+        "pending": lambda on: (eng.pending.append if on else eng.pending.remove)(everything),
         "compression": lambda on: (monkeypatch.setenv("MCRDL_COMPRESSION", "int8") if on
                                    else monkeypatch.delenv("MCRDL_COMPRESSION")),
     }
@@ -197,6 +221,7 @@ def test_a_closure_steps_aside_before_sending(monkeypatch):
         finally:
             switch(False)
     lg.clear()
+    assert not eng.inflight
 
 
 def test_counts_that_do_not_fit_after_binding():
@@ -249,6 +274,29 @@ def test_a_bound_call_in_flight_order_and_logger_hold():
                    "all_to_all", "all_to_all"], got
 
 
+def test_async_bound_calls_in_flight_together_are_ordered_by_memory():
+    """Async bound calls overlap; one whose memory conflicts with work in flight steps
+    aside and the regular path orders it: an all-gather from ``inp``, a broadcast of
+    memory apart from it (in flight with it), then a broadcast into ``inp`` (write after
+    read: it must wait until the all-gather has read ``inp``), all issued before the
+    first wait."""
+    n = SIZE
+    for salt in range(4):  # the first calls fill the memo and bind the keys
+        out = torch.zeros(2 * n, dtype=F)
+        inp, other = values(RANK, 2, F, salt), values(RANK, 2, F, salt + 1)
+        w1 = dist.all_gather_into_tensor(out, inp, async_op=True, backend="mpi")
+        w2 = dist.broadcast(other, 0, async_op=True, backend="mpi")
+        w3 = dist.broadcast(inp, n - 1, async_op=True, backend="mpi")
+        for w in (w3, w2, w1):
+            w.wait()
+        np.testing.assert_array_equal(out.numpy(), stack(range(n), 2, salt).reshape(-1))
+        np.testing.assert_array_equal(other.numpy(), values(0, 2, F, salt + 1).numpy())
+        np.testing.assert_array_equal(inp.numpy(), values(n - 1, 2, F, salt).numpy())
+    keys = {k[0] for k in mcrdl_core.get_runtime().choices if k[-1] is True}
+    assert {"bound:torch.all_gather_into_tensor", "bound:torch.broadcast"} <= keys
+    assert not mcrdl_core.get_runtime().engine.inflight
+
+
 def test_a_broken_group_refuses_a_bound_key_on_every_rank():
     g = dist.new_group(list(range(SIZE)))
     t = values(RANK, 3, F)
@@ -267,7 +315,7 @@ def test_dropping_the_plans_drops_the_closures_and_odd_keys_are_not_bound():
     _bind_all()
     rt = mcrdl_core.get_runtime()
     rt.set_override(rt.override)
-    assert not bound()
+    assert not bound() and not bound(True)
     t = values(RANK, 3, F)
     for _ in range(2):
         dist.broadcast(t, torch.tensor(SIZE - 1), backend="mpi")
