@@ -157,9 +157,9 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
             return MISS
         plan = choice[key] = _plan(rt, g, buf, backend, op)
     be, issue, _, blocking = plan
-    if bind is not None and _bindable(rt, plan, g, backend, async_op, op):
-        choice[bind] = _bind_in_place(rt, g, plan, Op.ALL_REDUCE, dtype.itemsize, True,
-                                      async_op)
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, g, backend, (op,), _bind_in_place, Op.ALL_REDUCE,
+              dtype.itemsize, True, async_op)
     eng = rt.engine
     if issue is None or eng.inflight or eng.pending:
         return MISS
@@ -351,8 +351,9 @@ def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op
                    (op, g, buf, backend, red, rank))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and _bindable(rt, plan, g, backend, async_op, red, root):
-        rt.choices[bind] = _bind_in_place(rt, g, plan, op, dtype.itemsize, False, async_op)
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, g, backend, (red, root), _bind_in_place, op, dtype.itemsize,
+              False, async_op)
     return _run(rt, plan, op, g, (ptr, count), (owner,), async_op, nbytes, 0, 0,
                 ptr, ptr + nbytes)
 
@@ -391,8 +392,9 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
     plan = _lookup(rt, _T[op], g, dtype, backend, red, small, buf, (op, g, buf, backend, red))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and _bindable(rt, plan, g, backend, async_op, red):
-        rt.choices[bind] = _bind_blocks(rt, g, plan, op, dtype.itemsize, gathers, async_op)
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, g, backend, (red,), _bind_blocks, op, dtype.itemsize, gathers,
+              async_op)
     args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
     if gathers:  # reads the small block, writes the big one
         return _run(rt, plan, op, g, args, owners, async_op, big, small_ptr,
@@ -438,8 +440,8 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                        (Op.ALL_TO_ALL, g, buf, backend, None, None, in_bytes))
         if plan is None or plan[1] is None:
             return MISS
-        if bind is not None and _bindable(rt, plan, g, backend, async_op):
-            rt.choices[bind] = _bind_all_to_all(rt, g, plan, isz, async_op)
+        if bind is not None and bind not in rt.choices:
+            _bind(rt, bind, plan, g, backend, (), _bind_all_to_all, isz, async_op)
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
     if rt.table is not None and backend in (None, "auto") and g.backend is None:
@@ -448,8 +450,8 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                    (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and _bindable(rt, plan, g, backend, async_op):
-        rt.choices[bind] = _bind_all_to_all_v(rt, g, plan, isz, async_op)
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, g, backend, (), _bind_all_to_all_v, isz, async_op)
     # the issuer judges the splits (False, nothing sent, where they do not fit: MISS)
     return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, out_count, out_rows, in_ptr, in_count,
                                              in_rows, out_splits or None, in_splits or None),
@@ -468,8 +470,9 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
                    (Op.SEND, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and _bindable(rt, plan, g, backend, async_op, dst):
-        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.SEND, dtype.itemsize, peer, async_op)
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, g, backend, (dst,), _bind_p2p, Op.SEND, dtype.itemsize, peer,
+              async_op)
     return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
@@ -486,8 +489,9 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
                    (Op.RECV, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and _bindable(rt, plan, g, backend, async_op, src):
-        rt.choices[bind] = _bind_p2p(rt, g, plan, Op.RECV, dtype.itemsize, peer, async_op)
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, g, backend, (src,), _bind_p2p, Op.RECV, dtype.itemsize, peer,
+              async_op)
     done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
@@ -534,14 +538,17 @@ def barrier(rt, group, async_op, backend, probe):
 _KEYABLE = (int, str, ReduceOp, type(None))
 
 
-def _bindable(rt, plan, g, backend, async_op, *args) -> bool:
-    """Whether a call's key may be bound: a compiled issuer, no table deciding by size,
-    and key arguments (root, peer, reduce op) of kinds that compare by value (an int, a
-    str, a ReduceOp, None: an object hashed by identity, a 0-d tensor given as a root,
-    would make a new key on every call)."""
-    return (plan[3] is not None
-            and (rt.table is None or backend not in (None, "auto") or g.backend is not None)
-            and all(a.__class__ in _KEYABLE for a in args))
+def _bind(rt, bind, plan, g, backend, args, make, *make_args) -> None:
+    """Store under the frontend's key ``bind`` the closure ``make(rt, g, plan,
+    *make_args)`` where the key may be bound (a compiled issuer, no table deciding by
+    size), else None, so that the entries ask once per key. Nothing is stored where a
+    key argument (root, peer, reduce op) is of a kind that does not compare by value
+    (not an int, a str, a ReduceOp or None: a 0-d tensor given as a root is hashed by
+    identity, and would add a key on every call)."""
+    if all(a.__class__ in _KEYABLE for a in args):
+        rt.choices[bind] = (make(rt, g, plan, *make_args) if plan[3] is not None and (
+            rt.table is None or backend not in (None, "auto") or g.backend is not None)
+            else None)
 
 
 def _issue_async(eng, be, op, g, issue, args, spans, keep):

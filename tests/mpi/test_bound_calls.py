@@ -4,8 +4,9 @@ issuer is in use, the first blocking call of a frontend key that the fast path s
 calls of the key run through it with NumPy's result on every rank (a late peer too, on
 the world and on a subgroup whose ranks are reversed). A closure steps aside, before
 anything is sent, for everything it does not handle (a logger, an observer,
-MCRDL_COMPRESSION, work in flight, counts that do not fit, a broken group), and the frontend's next path then gives the same results and errors as before;
-whatever drops the plans drops the closures."""
+MCRDL_COMPRESSION, work in flight, counts that do not fit, a broken group), and the
+frontend's next path then gives the same results and errors as before; whatever drops
+the plans drops the closures; a key that a tuning table decides by size is not bound."""
 import time
 import types
 
@@ -324,3 +325,32 @@ def test_dropping_the_plans_drops_the_closures_and_odd_keys_are_not_bound():
     call("broadcast", 1)
     call("broadcast", 1)
     assert "bound:torch.broadcast" in bound()
+
+
+def test_keys_a_table_decides_by_size_are_not_bound():
+    """auto under a tuning table: the memoized entry serves the calls (its plans are per
+    size), the frontend key holds None (asked once), and the results stay right; an
+    explicit backend under the same table is bound."""
+    from mcrdl_core.dispatch.selection import SCHEMA, TuningTable
+    rt = mcrdl_core.get_runtime()
+    old = rt.table
+    rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
+        {"op": op, "world_size": SIZE, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
+         "dtype_class": "float", "ranges": [[None, "mpi"]]}
+        for op in ("all_reduce", "broadcast", "all_gather")]}, "<test>"))
+    try:
+        for salt in range(3):
+            t = values(RANK, 3, F, salt)
+            dist.all_reduce(t, dist.ReduceOp.MAX)
+            np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, salt).max(0))
+            b = values(RANK, 3, F, salt)
+            dist.broadcast(b, SIZE - 1)
+            np.testing.assert_array_equal(b.numpy(), values(SIZE - 1, 3, F, salt).numpy())
+        keys = {k: v for k, v in rt.choices.items()
+                if isinstance(k[0], str) and k[0].startswith("bound:")}
+        assert keys and all(v is None for v in keys.values()), keys
+        for salt in range(3):
+            call("broadcast", salt)
+        assert "bound:torch.broadcast" in bound()
+    finally:
+        rt.set_table(old)
