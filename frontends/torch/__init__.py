@@ -278,7 +278,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             and output.is_contiguous() and input.is_contiguous():
         rt = _rt()
         oc, ic = output.numel(), input.numel()
-        if output_split_sizes is None and input_split_sizes is None:
+        if not output_split_sizes and not input_split_sizes:  # even (as the core judges)
             key = (_K_A2A, input.dtype, group, backend, async_op)
             bound = rt.choices.get(key)
             if bound is not None:

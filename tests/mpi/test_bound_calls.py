@@ -354,3 +354,15 @@ def test_keys_a_table_decides_by_size_are_not_bound():
         assert "bound:torch.broadcast" in bound()
     finally:
         rt.set_table(old)
+
+
+@pytest.mark.parametrize("splits", [None, []])
+def test_even_all_to_all_whether_splits_are_none_or_empty(splits):
+    """Empty split lists mean even, as None does: they share the even key's closure."""
+    n = SIZE
+    for salt in range(3):
+        out = torch.zeros(2 * n, dtype=F)
+        dist.all_to_all_single(out, values(RANK, 2 * n, F, salt), splits, splits, backend="mpi")
+        np.testing.assert_array_equal(out.numpy(),
+                                      stack(range(n), 2 * n, salt)[:, 2 * RANK:2 * RANK + 2]
+                                      .reshape(-1))
