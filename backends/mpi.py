@@ -424,11 +424,6 @@ class MPIBackend(Backend):
         if dtype.is_half or op is ReduceOp.AVG or dtype not in _TYPES:
             return None
         compiled = self.fast_blocking(Op.ALL_REDUCE, group, dtype, op)
-        if compiled is not None and op is Op.ALL_TO_ALL and root == "v":
-            def compiled_v(*args):
-                left = compiled(-1.0, *args)
-                return left if left is False else _KeptRequest(*left)
-            return compiled_v
         if compiled is not None:  # the same call, compiled, never polled (spin < 0)
             return functools.partial(compiled, -1.0)
         iallreduce = self.comm(group).Iallreduce

@@ -219,9 +219,11 @@ static PyObject *alltoall(PyObject *self, PyObject *args)
 }
 
 /* One side of an uneven all-to-all: element counts and displacements per peer from
- * ``splits`` (n row counts that add up to ``rows``; a row is count / rows elements) or,
- * for None, ``rows`` split evenly. 1: they fit; 0: they do not (nothing raised: the
- * caller's general path judges the call). */
+ * ``splits`` (a list or tuple of n row counts that add up to ``rows``; a row is count /
+ * rows elements) or, for None, ``rows`` split evenly. 1: they fit; 0: they do not, or
+ * the splits are of another kind (nothing raised: the caller's general path judges the
+ * call). The splits are copied into a tuple first, so that an item's __index__ cannot
+ * change them while they are read. */
 static int side(PyObject *splits, Py_ssize_t count, Py_ssize_t rows, int n, MPI_Count *counts,
                 MPI_Aint *displs)
 {
@@ -236,12 +238,14 @@ static int side(PyObject *splits, Py_ssize_t count, Py_ssize_t rows, int n, MPI_
         }
         return 1;
     }
-    seq = PySequence_Fast(splits, "splits");
+    if (!PyList_Check(splits) && !PyTuple_Check(splits))
+        return 0;
+    seq = PySequence_Tuple(splits);
     if (seq == NULL) {
         PyErr_Clear();
         return 0;
     }
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
+    if (PyTuple_GET_SIZE(seq) != n) {
         Py_DECREF(seq);
         return 0;
     }
@@ -309,14 +313,15 @@ static PyObject *alltoallv(PyObject *self, PyObject *args)
             return fail(rc);
         Py_RETURN_NONE;
     }
+    /* from here on MPI may still read the counts: on an error (out of memory) they are
+     * leaked, not freed */
     h = PyMPIRequest_New(req);
-    if (h == NULL) {
-        Py_DECREF(keep);
+    if (h == NULL)
         return NULL;
-    }
     tup = PyTuple_Pack(2, h, keep);
     Py_DECREF(h);
-    Py_DECREF(keep);
+    if (tup != NULL)
+        Py_DECREF(keep);
     return tup;
 }
 

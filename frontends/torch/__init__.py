@@ -114,7 +114,10 @@ def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
     if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
         rt = _rt()
         key = (kind, tensor.dtype, peer, group, backend, async_op)
-        bound = rt.choices.get(key)
+        try:
+            bound = rt.choices.get(key)
+        except TypeError:  # an unhashable argument: the general path judges it
+            bound = key = None
         if bound is not None:
             done = bound(tensor.data_ptr(), tensor.numel(), tag, tensor)
             if done is not _MISS:
@@ -157,7 +160,10 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
     if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
         rt = _rt()
         key = (_K_BCAST, tensor.dtype, src, group, backend, async_op)
-        bound = rt.choices.get(key)
+        try:
+            bound = rt.choices.get(key)
+        except TypeError:  # an unhashable argument: the general path judges it
+            bound = key = None
         if bound is not None:
             done = bound(tensor.data_ptr(), tensor.numel(), tensor)
             if done is not _MISS:
@@ -177,7 +183,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
             and tensor.is_contiguous():
         rt = _rt()
         key = (_K_AR, tensor.dtype, op, group, backend, async_op)
-        bound = rt.choices.get(key)
+        try:
+            bound = rt.choices.get(key)
+        except TypeError:  # an unhashable argument: the general path judges it
+            bound = key = None
         if bound is not None:
             done = bound(tensor.data_ptr(), tensor.numel(), tensor)
             if done is not _MISS:
@@ -193,7 +202,10 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
         rt = _rt()
         key = (_K_REDUCE, tensor.dtype, dst, op, group, backend, async_op)
-        bound = rt.choices.get(key)
+        try:
+            bound = rt.choices.get(key)
+        except TypeError:  # an unhashable argument: the general path judges it
+            bound = key = None
         if bound is not None:
             done = bound(tensor.data_ptr(), tensor.numel(), tensor)
             if done is not _MISS:
@@ -221,7 +233,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
             and inp.is_contiguous():
         rt = _rt()
         key = (_K_AG, inp.dtype, group, backend, async_op)
-        bound = rt.choices.get(key)
+        try:
+            bound = rt.choices.get(key)
+        except TypeError:  # an unhashable argument: the general path judges it
+            bound = key = None
         if bound is not None:
             done = bound(out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), (out, inp))
             if done is not _MISS:
@@ -249,7 +264,10 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
             and output.is_contiguous() and input.is_contiguous():
         rt = _rt()
         key = (_K_RS, input.dtype, op, group, backend, async_op)
-        bound = rt.choices.get(key)
+        try:
+            bound = rt.choices.get(key)
+        except TypeError:  # an unhashable argument: the general path judges it
+            bound = key = None
         if bound is not None:
             done = bound(output.data_ptr(), output.numel(), input.data_ptr(), input.numel(),
                          (output, input))
@@ -280,7 +298,10 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         oc, ic = output.numel(), input.numel()
         if not output_split_sizes and not input_split_sizes:  # even (as the core judges)
             key = (_K_A2A, input.dtype, group, backend, async_op)
-            bound = rt.choices.get(key)
+            try:
+                bound = rt.choices.get(key)
+            except TypeError:  # an unhashable argument: the general path judges it
+                bound = key = None
             if bound is not None:
                 done = bound(output.data_ptr(), oc, _rows(output, oc), input.data_ptr(), ic,
                              _rows(input, ic), (output, input))
@@ -288,7 +309,10 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                     return done
         else:
             key = (_K_A2AV, input.dtype, group, backend, async_op)
-            bound = rt.choices.get(key)
+            try:
+                bound = rt.choices.get(key)
+            except TypeError:  # an unhashable argument: the general path judges it
+                bound = key = None
             if bound is not None:
                 done = bound(output.data_ptr(), oc, _rows(output, oc), input.data_ptr(), ic,
                              _rows(input, ic), output_split_sizes or None,

@@ -39,11 +39,13 @@ def compiled():
         pytest.skip("calls are bound only where the compiled MPI issuer is in use")
 
 
-def bound(async_op=False):
-    """{tag: closure} of the runtime's bound calls, blocking or async (the last of each
-    tag)."""
+def bound(async_op=False, group=None):
+    """{tag: closure} of the runtime's bound calls of float64 tensors with backend "mpi"
+    on ``group`` (None: the world), blocking or async (keys end in group, backend,
+    async)."""
     return {k[0]: v for k, v in mcrdl_core.get_runtime().choices.items()
-            if isinstance(k[0], str) and k[0].startswith("bound:") and k[-1] is async_op}
+            if isinstance(k[0], str) and k[0].startswith("bound:") and k[1] is F
+            and k[-3] is group and k[-2] == "mpi" and k[-1] is async_op and v is not None}
 
 
 def stack(ranks, count, salt=0):
@@ -137,7 +139,7 @@ def test_repeated_calls_run_bound_and_stay_right(monkeypatch, op, where, late, a
     call(op, 0, group, ranks, async_op)  # the general path: fills the memo
     call(op, 0, group, ranks, async_op)  # the regular entry: binds
     if op != "send_recv":
-        assert TAGS[op] in bound(async_op)
+        assert TAGS[op] in bound(async_op, group)
     from mcrdl_core.dispatch import fastpath
 
     def refuse(*a, **k):
@@ -366,3 +368,17 @@ def test_even_all_to_all_whether_splits_are_none_or_empty(splits):
         np.testing.assert_array_equal(out.numpy(),
                                       stack(range(n), 2 * n, salt)[:, 2 * RANK:2 * RANK + 2]
                                       .reshape(-1))
+
+
+def test_unhashable_arguments_get_the_general_paths_error():
+    """A list where a group, peer or reduce op belongs cannot be part of a key: the
+    frontend skips the lookup and the general path raises its error, on every rank."""
+    t = values(RANK, 3, F)
+    for _ in range(2):
+        with pytest.raises(InvalidArgumentError, match="group"):
+            dist.broadcast(t, 0, group=[0], backend="mpi")
+        with pytest.raises(InvalidArgumentError):
+            dist.send(t, [0], backend="mpi")
+        with pytest.raises(InvalidArgumentError):
+            dist.all_reduce(t, op=["sum"], backend="mpi")
+    np.testing.assert_array_equal(t.numpy(), values(RANK, 3, F).numpy())
