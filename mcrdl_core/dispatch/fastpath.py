@@ -89,6 +89,13 @@ def compression_env() -> bool:
     return bool(_ENV.get(_COMPRESSION))
 
 
+def _table_decides(rt, backend, g) -> bool:
+    """Whether a tuning table chooses this call's backend, by size (auto, no group
+    default): such a call's memo keys carry its size, and its frontend key is never
+    bound. Inlined, with this name beside it, in the two entries that run per call."""
+    return rt.table is not None and backend in (None, "auto") and g.backend is None
+
+
 _TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime.choices``
 
 
@@ -143,7 +150,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     if rt.observed or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
         return MISS
     g = rt.group(group)  # liveness and broken-group checks, every call
-    if rt.table is not None and backend in (None, "auto") and g.backend is None:
+    if rt.table is not None and backend in (None, "auto") and g.backend is None:  # _table_decides
         key = (_TAG, g, dtype, backend, op, count * dtype.itemsize)
     else:
         key = (_TAG, g, dtype, backend, op)
@@ -253,7 +260,7 @@ def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
     """The memoized plan of a key, made from ``buf`` on its first call (None without
     ``buf``: the caller's general path makes it). Keys carry the size only where a
     tuning table decides (as ``Runtime.select`` does)."""
-    if rt.table is not None and backend in (None, "auto") and g.backend is None:
+    if rt.table is not None and backend in (None, "auto") and g.backend is None:  # _table_decides
         key = (tag, g, dtype, backend, extra, nbytes)
     else:
         key = (tag, g, dtype, backend, extra)
@@ -444,7 +451,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
             _bind(rt, bind, plan, g, backend, (), _bind_all_to_all, isz, async_op)
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
-    if rt.table is not None and backend in (None, "auto") and g.backend is None:
+    if _table_decides(rt, backend, g):
         return MISS  # a table decides by size, and an uneven call has none in common
     plan = _lookup(rt, _T_UNEVEN, g, dtype, backend, None, None, buf,
                    (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
@@ -546,9 +553,9 @@ def _bind(rt, bind, plan, g, backend, args, make, *make_args) -> None:
     (not an int, a str, a ReduceOp or None: a 0-d tensor given as a root is hashed by
     identity, and would add a key on every call)."""
     if all(a.__class__ in _KEYABLE for a in args):
-        rt.choices[bind] = (make(rt, g, plan, *make_args) if plan[3] is not None and (
-            rt.table is None or backend not in (None, "auto") or g.backend is not None)
-            else None)
+        rt.choices[bind] = (make(rt, g, plan, *make_args)
+                            if plan[3] is not None and not _table_decides(rt, backend, g)
+                            else None)
 
 
 def _issue_async(eng, be, op, g, issue, args, spans, keep):
