@@ -31,9 +31,8 @@ from mcrdl_core.dispatch import fastpath as _fp
 from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
 from .tensors import MISS as _MISS
+from .tensors import DTYPES as _DTYPES
 from .tensors import PLAIN as _PLAIN
-from .tensors import facts as _facts
-from .tensors import fast_all_reduce as _fast_all_reduce
 from .tensors import to_buffer as _b
 from .tensors import to_buffers as _bs
 
@@ -101,9 +100,9 @@ def available_backends() -> dict:
 # --- point to point ------------------------------------------------------------------------
 # Each call on plain contiguous CPU tensors first tries the call bound to its arguments
 # (``_K_*`` keys in the runtime's memo: the core's bound calls, mcrdl_core/dispatch/
-# fastpath.py), then the core's fast path on the tensors' facts, which binds the key on
-# its first blocking call; a MISS of both takes the general path, which checks
-# everything, raises its errors and fills the memo.
+# fastpath.py), then the core's fast path on the tensors' facts (address, elements, core
+# dtype: no Buffer is made), which binds the key; a MISS of both takes the general path,
+# which checks everything, raises its errors and fills the memo.
 _K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV = (
     f"bound:torch.{name}" for name in ("send", "recv", "broadcast", "reduce", "all_reduce",
                                        "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -122,10 +121,10 @@ def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
             done = bound(tensor.data_ptr(), tensor.numel(), tag, tensor)
             if done is not _MISS:
                 return done
-        f = _facts(tensor)
-        if f is not None:
-            done = fast(rt, f[0], f[1], f[2], tensor, peer, tag, group, async_op, backend,
-                        None, key)
+        dtype = _DTYPES.get(tensor.dtype)
+        if dtype is not None:
+            done = fast(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor, peer, tag, group,
+                        async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return general(_b(tensor), peer, group, tag, async_op, backend)
@@ -168,10 +167,10 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
             done = bound(tensor.data_ptr(), tensor.numel(), tensor)
             if done is not _MISS:
                 return done
-        f = _facts(tensor)
-        if f is not None:
-            done = _fp.broadcast(rt, f[0], f[1], f[2], tensor, src, group, async_op, backend,
-                                 None, key)
+        dtype = _DTYPES.get(tensor.dtype)
+        if dtype is not None:
+            done = _fp.broadcast(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor, src,
+                                 group, async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.broadcast(_b(tensor), src, group, async_op, backend)
@@ -191,9 +190,12 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
             done = bound(tensor.data_ptr(), tensor.numel(), tensor)
             if done is not _MISS:
                 return done
-        done = _fast_all_reduce(rt, tensor, op, group, async_op, backend, key)
-        if done is not _MISS:
-            return done
+        dtype = _DTYPES.get(tensor.dtype)
+        if dtype is not None:
+            done = _fp.host_all_reduce(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor,
+                                       op, group, async_op, backend, None, key)
+            if done is not _MISS:
+                return done
     return _core.all_reduce(_b(tensor), op, group, async_op, backend, compression)
 
 
@@ -210,10 +212,10 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
             done = bound(tensor.data_ptr(), tensor.numel(), tensor)
             if done is not _MISS:
                 return done
-        f = _facts(tensor)
-        if f is not None:
-            done = _fp.reduce(rt, f[0], f[1], f[2], tensor, dst, op, group, async_op, backend,
-                              None, key)
+        dtype = _DTYPES.get(tensor.dtype)
+        if dtype is not None:
+            done = _fp.reduce(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor, dst, op,
+                              group, async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
@@ -241,10 +243,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
             done = bound(out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), (out, inp))
             if done is not _MISS:
                 return done
-        o, i = _facts(out), _facts(inp)
-        if o is not None and i is not None:
-            done = _fp.all_gather(rt, o[0], o[1], i[0], i[1], i[2], (out, inp), group,
-                                  async_op, backend, None, key)
+        dtype = _DTYPES.get(inp.dtype)
+        if dtype is not None:
+            done = _fp.all_gather(rt, out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(),
+                                  dtype, (out, inp), group, async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.all_gather_into_tensor(_b(output_tensor), _b(input_tensor), group, async_op,
@@ -273,10 +275,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                          (output, input))
             if done is not _MISS:
                 return done
-        o, i = _facts(output), _facts(input)
-        if o is not None and i is not None:
-            done = _fp.reduce_scatter(rt, o[0], o[1], i[0], i[1], i[2], (output, input), op,
-                                      group, async_op, backend, None, key)
+        dtype = _DTYPES.get(input.dtype)
+        if dtype is not None:
+            done = _fp.reduce_scatter(rt, output.data_ptr(), output.numel(), input.data_ptr(),
+                                      input.numel(), dtype, (output, input), op, group,
+                                      async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend,
@@ -319,11 +322,12 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                              input_split_sizes or None, (output, input))
                 if done is not _MISS:
                     return done
-        o, i = _facts(output), _facts(input)
-        if o is not None and i is not None:
-            done = _fp.all_to_all(rt, o[0], o[1], _rows(output, o[1]), i[0], i[1],
-                                  _rows(input, i[1]), i[2], (output, input), output_split_sizes,
-                                  input_split_sizes, group, async_op, backend, None, key)
+        dtype = _DTYPES.get(input.dtype)
+        if dtype is not None:
+            done = _fp.all_to_all(rt, output.data_ptr(), oc, _rows(output, oc), input.data_ptr(),
+                                  ic, _rows(input, ic), dtype, (output, input),
+                                  output_split_sizes, input_split_sizes, group, async_op,
+                                  backend, None, key)
             if done is not _MISS:
                 return done
     return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,

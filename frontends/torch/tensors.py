@@ -15,16 +15,15 @@ from mcrdl_core import dtypes as dt
 from mcrdl_core.memory.buffer import CPU, Buffer, Device
 from mcrdl_core.base.errors import DtypeError, InvalidArgumentError
 from mcrdl_core.dispatch.fastpath import MISS
-from mcrdl_core.dispatch.fastpath import host_all_reduce as _host_all_reduce
 
-_DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32: dt.float32,
+DTYPES = {torch.float16: dt.float16, torch.bfloat16: dt.bfloat16, torch.float32: dt.float32,
            torch.float64: dt.float64, torch.int8: dt.int8, torch.uint8: dt.uint8,
            torch.int16: dt.int16, torch.int32: dt.int32, torch.int64: dt.int64,
            torch.bool: dt.bool_, torch.complex64: dt.complex64, torch.complex128: dt.complex128}
 
 
 #: torch dtypes the core communicates as they are, on every op
-CORE_DTYPES = frozenset(t for t, d in _DTYPES.items() if d in dt.SUPPORTED)
+CORE_DTYPES = frozenset(t for t, d in DTYPES.items() if d in dt.SUPPORTED)
 
 
 def to_buffer(t) -> Buffer:
@@ -38,7 +37,7 @@ def to_buffer(t) -> Buffer:
             "'mcrdl' process group's all_reduce (SUM) takes sparse COO tensors; densify "
             "with .to_dense() for anything else")
     try:
-        dtype = _DTYPES[t.dtype]
+        dtype = DTYPES[t.dtype]
     except KeyError:
         raise DtypeError(f"torch dtype {t.dtype} is not supported; use one of "
                          f"{[d.name for d in dt.SUPPORTED]}") from None
@@ -53,33 +52,10 @@ def to_buffer(t) -> Buffer:
     return Buffer(t.data_ptr(), tuple(t.shape), dtype, device, strides, False, t)
 
 
-#: the tensor types whose facts the fast path reads (not subclasses such as DTensor)
+#: the tensor types whose facts the fast path reads (not subclasses such as DTensor);
+#: mcrdl_torch reads them (address, elements, ``DTYPES[t.dtype]``) where the tensor is
+#: one of these, on the CPU and contiguous, without making a Buffer (about 0.4 µs)
 PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def facts(t):
-    """(address, elements, core dtype) of a plain, contiguous CPU tensor, read off the
-    tensor for the core's fast path (``mcrdl_core.dispatch.fastpath``: no Buffer is made, about
-    0.4 µs); None for any other tensor (the general path judges it)."""
-    if type(t) in PLAIN and t.is_cpu and t.is_contiguous():
-        dtype = _DTYPES.get(t.dtype)
-        if dtype is not None:
-            return t.data_ptr(), t.numel(), dtype
-    return None
-
-
-def fast_all_reduce(rt, t, op, group, async_op, backend, bind=None):
-    """``mcrdl_core.dispatch.fastpath.host_all_reduce`` with its facts read off a plain,
-    contiguous CPU tensor (about 0.4 µs, where a Buffer costs 1.2); MISS for any other
-    tensor, and whenever the core's fast path does not apply: the caller then takes the
-    general path, which checks everything and raises its errors. ``bind``: the
-    frontend's key of the call, bound on its first blocking call."""
-    if type(t) in PLAIN and t.is_cpu and t.is_contiguous():
-        dtype = _DTYPES.get(t.dtype)
-        if dtype is not None:
-            return _host_all_reduce(rt, t.data_ptr(), t.numel(), dtype, t, op, group,
-                                    async_op, backend, None, bind)
-    return MISS
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

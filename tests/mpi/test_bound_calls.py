@@ -147,8 +147,6 @@ def test_repeated_calls_run_bound_and_stay_right(monkeypatch, op, where, late, a
     for name in ("broadcast", "reduce", "host_all_reduce", "all_gather", "reduce_scatter",
                  "all_to_all", "send", "recv"):
         monkeypatch.setattr(fastpath, name, refuse)
-    import mcrdl_torch.tensors as tensors
-    monkeypatch.setattr(tensors, "_host_all_reduce", refuse)
     for salt in range(1, 4):
         if late and RANK == (ranks or list(range(SIZE)))[-1]:
             time.sleep(0.01)
