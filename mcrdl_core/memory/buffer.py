@@ -43,12 +43,17 @@ CPU = Device("cpu", 0)
 
 class _HostView:
     """Carrier of ``__array_interface__``; as the base of the NumPy view it keeps the
-    Buffer (and so the producer's memory) alive as long as the view lives."""
+    memory's owner (the producer's tensor or array) alive as long as the view lives.
 
-    __slots__ = ("__array_interface__", "buffer")
+    It holds the owner, not the Buffer: the Buffer caches the view (``_host``), and a
+    NumPy array is invisible to the garbage collector, so a view holding its Buffer
+    would make a cycle that is never freed -- every tensor whose host view a call took
+    (the compressed collectives take one of each input and output) would leak."""
+
+    __slots__ = ("__array_interface__", "owner")
 
     def __init__(self, buf: "Buffer", np_dtype: np.dtype):
-        self.buffer = buf
+        self.owner = buf.owner
         isz = buf.dtype.itemsize
         self.__array_interface__ = {
             "version": 3,
