@@ -221,7 +221,7 @@ def run_config(a, cluster, hosts: int, ranks: list) -> list:
             base = runs["gloo (torch)"]
             base_sps = statistics.median(r["samples_per_s"] for r in base)
             best_sps = max(statistics.median(r["samples_per_s"] for r in runs[s])
-                           for s in SINGLE if s in runs)
+                           for s in SINGLE)
             for name, *_ in vs:
                 rs = runs[name]
                 sps = statistics.median(r["samples_per_s"] for r in rs)
