@@ -17,10 +17,20 @@ experts on what arrived and sends the results back the same way (autograd sends 
 gradients along the reverse routes). The gate, mixing and FFN weights are data
 parallel: one flat ``all_reduce`` of their gradients per step.
 
+With ``--capacity-factor F`` the layer works as DeepSpeed's ``MOELayer`` and GShard do
+instead: every expert takes at most ``C = ceil(F * tokens / experts)`` tokens from each
+rank (the first ones in token order; the others are dropped: their MoE output is 0 and
+only the residual carries them), each rank sends every expert exactly ``C`` rows (zeros
+fill the free slots), so both all-to-alls are even and need no exchange of counts, and
+every expert computes on ``n * C`` rows whatever the routing. No rank waits for the
+one the gate sent the most tokens, at the price of padding and dropped tokens.
+
 ``--check`` trains the same block in one process on every rank's tokens and compares
 the losses (each rank's loss is its local mean divided by n: the sum is the mean).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -61,6 +71,16 @@ class Block:
         return y + self.ffn(y)
 
 
+def capacity_slots(expert, n_experts: int, cap: int):
+    """Capacity routing (``--capacity-factor``): ``(slot, kept)`` where ``kept`` are the
+    indices of the tokens each expert takes (its first ``cap`` in token order) and
+    ``slot`` their rows in the ``n_experts * cap`` dispatch buffer (expert-major)."""
+    onehot = nn.functional.one_hot(expert, n_experts)
+    pos = (onehot.cumsum(0) - 1).gather(1, expert.unsqueeze(1)).squeeze(1)
+    kept = (pos < cap).nonzero().squeeze(1)
+    return expert[kept] * cap + pos[kept], kept
+
+
 _TEACHERS: dict = {}
 
 
@@ -83,19 +103,40 @@ def main():
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--experts-per-rank", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="fixed expert capacity, as DeepSpeed/GShard (even all-to-alls; "
+                        "default: none, uneven all-to-alls of exactly the routed tokens)")
     a = p.parse_args()
     rank, n = init(a)
     epr = a.experts_per_rank
+    if a.capacity_factor is not None and a.capacity_factor <= 0:
+        p.error("--capacity-factor must be > 0")
+    cap = (None if a.capacity_factor is None
+           else max(1, math.ceil(a.capacity_factor * a.tokens / (epr * n))))
     mine = list(range(rank * epr, (rank + 1) * epr))
     block = Block(a, n, mine)
     opt = torch.optim.SGD(block.dense_params() + block.expert_params(), lr=a.lr)
     state = {"step": 0}
+
+    def capacity_step(h, weight, expert):
+        """The MoE layer with fixed capacity: even all-to-alls of ``n * epr * cap`` rows."""
+        slot, kept = capacity_slots(expert, epr * n, cap)
+        d = h.shape[1]
+        send = h.new_zeros(epr * n * cap, d).index_copy(0, slot, h[kept])
+        arrived = all_to_all(send).view(n, epr, cap, d).transpose(0, 1).reshape(epr, n * cap, d)
+        done = torch.stack([block.experts[mine[i]](arrived[i]) for i in range(epr)])
+        back = all_to_all(done.view(epr, n, cap, d).transpose(0, 1).reshape(-1, d))
+        return h.new_zeros(h.shape).index_copy(0, kept, back[slot])
 
     def step():
         x, target = tokens(a, state["step"], rank)
         state["step"] += 1
         opt.zero_grad()
         h, weight, expert, order = block.route(x)
+        if cap is not None:
+            moe_out = capacity_step(h, weight, expert)
+            loss = nn.functional.mse_loss(block.finish(h, weight, moe_out), target) / n
+            return train_step(loss, block.dense_params(), opt)
         per_expert = torch.bincount(expert, minlength=epr * n)
         send_counts = per_expert.view(n, epr).sum(1).tolist()
         # how many tokens each source sends to each of my experts
@@ -122,9 +163,12 @@ def main():
             for r in range(n):
                 x, target = tokens(a, s, r)
                 h, weight, expert, order = ref.route(x)
-                moe_out = torch.empty_like(h)
+                moe_out = torch.zeros_like(h)
+                keep = None if cap is None else capacity_slots(expert, epr * n, cap)[1]
                 for e in range(epr * n):
                     sel = (expert == e).nonzero().squeeze(1)
+                    if keep is not None:  # the tokens the expert took from rank r
+                        sel = sel[torch.isin(sel, keep)]
                     if len(sel):
                         moe_out = moe_out.index_copy(0, sel, ref.experts[e](h[sel]))
                 loss = nn.functional.mse_loss(ref.finish(h, weight, moe_out), target) / n

@@ -25,7 +25,8 @@ bench/out/apps_tuning*.json. ``--cluster RATE --hosts H`` runs everything on the
 emulated cluster (H hosts, N/H ranks each).
 
 ``--shape comm`` runs the apps in communication-heavy shapes (``SHAPES``: less compute
-per byte exchanged, as on GPUs); "vs best single" divides by the fastest of the single
+per byte exchanged, as on GPUs), ``--shape comm-cap`` the same with MoE's experts at a
+fixed capacity (even all-to-alls, as DeepSpeed's MoE layer); "vs best single" divides by the fastest of the single
 libraries (``SINGLE``).
 
 Every variant's losses are compared with the Gloo baseline's (the same seeds: they
@@ -73,10 +74,14 @@ def variants(codecs: str) -> list:
 #: sees, whose compute is two orders of magnitude faster than these CPU cores while
 #: its network is not. DLRM as on Criteo data (26 sparse features, one row each) with
 #: small MLPs; MoE with a wider hidden size (more bytes per token on the all-to-alls)
-#: and narrow experts.
+#: and narrow experts. ``comm-cap``: the same, MoE with a fixed expert capacity of 1.25
+#: (DeepSpeed's and GShard's layer, Switch Transformer's training factor): even
+#: all-to-alls, padded, no rank waiting for the busiest expert.
+_COMM = {"dlrm": ["--tables", "26", "--bag", "1", "--bottom", "64", "--top", "64"],
+         "moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"]}
 SHAPES = {"default": {"dlrm": [], "moe": []},
-          "comm": {"dlrm": ["--tables", "26", "--bag", "1", "--bottom", "64", "--top", "64"],
-                   "moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"]}}
+          "comm": _COMM,
+          "comm-cap": {"dlrm": _COMM["dlrm"], "moe": _COMM["moe"] + ["--capacity-factor", "1.25"]}}
 
 #: the single libraries: "best single library" is the fastest of these (median samples/s)
 SINGLE = ("gloo (torch)", "mcrdl: mpi", "mcrdl: gloo")

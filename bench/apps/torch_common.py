@@ -34,13 +34,15 @@ CLOCK = CommClock()
 
 
 class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with (uneven) splits; its derivative is the all-to-all
-    with the splits swapped."""
+    """``all_to_all_single`` with (uneven) splits, or even (both None: every rank sends
+    each rank the same number of rows, as DeepSpeed's capacity-padded MoE does); its
+    derivative is the all-to-all with the splits swapped."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits):
         ctx.splits = (out_splits, in_splits)
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = x.new_empty((rows,) + tuple(x.shape[1:]))
         with CLOCK:
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
         return out
@@ -48,13 +50,17 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        rows = grad.shape[0] if in_splits is None else sum(in_splits)
+        back = grad.new_empty((rows,) + tuple(grad.shape[1:]))
         with CLOCK:
             dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits)
         return back, None, None
 
 
-def all_to_all(x, out_splits, in_splits):
+def all_to_all(x, out_splits=None, in_splits=None):
+    """Differentiable ``all_to_all_single``: by split sizes, or even (no splits)."""
+    if out_splits is None and in_splits is None:
+        return AllToAll.apply(x, None, None)
     return AllToAll.apply(x, list(out_splits), list(in_splits))
 
 
