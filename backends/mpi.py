@@ -93,23 +93,69 @@ class MPIWork(Work):
 
 
 class _FastWork(MPIWork):
-    """An MPIWork of the fast path (``MPIBackend.work_of``): what is the same for all of
-    them is set on the class instead of on each."""
+    """An MPIWork of the fast path (``MPIBackend.fast_work``): what is the same for all of
+    them is set on the class instead of on each.
+
+    Its ``wait`` first spins on its own request in the compiled module (``spin_c``, set
+    where the module is in use) when every work in flight on this rank is MPI's: MPI's
+    progress is global, so testing this request drives the others too, and nothing of
+    another library waits to be polled meanwhile. At most the engine's spin time, under
+    its ``poll_lock``; a request not finished by then, a timeout given, or anything else
+    in flight goes to the engine's wait (its timeout and diagnostics), as any Work."""
 
     backend, desc, status, error, value = "mpi", "", None, None, None
+    #: ``mpi_fast.spin`` while the compiled module is in use, else None (mpi4py's Test)
+    spin_c = None
 
     def poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
 
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            eng = self.engine
+            if (timeout is None and self.spin_c is not None and eng is not None
+                    and not eng.pending and _MPI_WORKS.issuperset(map(type, eng.inflight))):
+                lock = eng.poll_lock
+                if lock.acquire(False):
+                    try:
+                        if not self.done and self.spin_c(self.req, eng.spin_s, self.status):
+                            if self.finalizers:
+                                self.complete()
+                            else:  # ``complete`` without finalizers to run
+                                self.keep, self.done = (), True
+                                eng.discard(self)
+                    except BaseException as exc:  # a library error: the work fails with it
+                        self.complete(exc)
+                    finally:
+                        lock.release()
+            if not self.done:  # the engine's wait: its timeout and diagnostics
+                return MPIWork.wait(self, timeout)
+        if self.error is not None:
+            return MPIWork.wait(self, timeout)  # raises it
+        return True
+
 
 class _FastRecvWork(_FastWork):
-    """A receive of the fast path: polled with its status (the source it reports)."""
+    """A receive of the fast path: polled with its status (the source it reports).
+    ``value``, once complete, is the sender's global rank, read from the status when
+    asked (no finalizer to run at completion)."""
 
     def poll(self) -> bool:
         return self.req.Test(self.status)
 
     def source(self) -> int:
         return self.status.Get_source()
+
+    @property
+    def value(self):
+        if self.done and self.error is None:
+            return self.group.ranks[self.status.Get_source()]
+        return None
+
+
+#: the Work classes of MPI requests: a fast-path wait spins in C only while every work
+#: in flight is one of these (exactly: another class may need its own polling)
+_MPI_WORKS = frozenset((MPIWork, _FastWork, _FastRecvWork))
 
 
 class _KeptRequest:
@@ -214,7 +260,7 @@ try:  # the compiled hot path: built by mcrdl_backends.build (make install), not
 except ImportError as _exc:
     mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
 
-_FAST_VERSION = 2  # mpi_fast.c's VERSION that this module's calls are written for
+_FAST_VERSION = 3  # mpi_fast.c's VERSION that this module's calls are written for
 _COMPILED: list = []
 
 
@@ -542,8 +588,10 @@ class MPIBackend(Backend):
         ``fast_request`` turns into the pending request. None where the module is not in
         use (``fast_module``). The uneven all-to-all's returns, if unfinished, its
         request with the count arrays MPI reads until completion (``fast_request``
-        keeps them with the request)."""
+        keeps them with the request). Also sets how the fast path's Works wait
+        (``_FastWork.spin_c``): by the module's spin where it is in use."""
         c = fast_module()
+        _FastWork.spin_c = None if c is None else c.spin
         if c is None or (dtype is not None and dtype not in _TYPES):
             return None
         if red is not None and (dtype.is_half or red is ReduceOp.AVG):
@@ -588,7 +636,7 @@ class MPIBackend(Backend):
         constructor (``keep``: what keeps the memory alive)."""
         if req.__class__ is _RecvRequest:
             w = _FastRecvWork.__new__(_FastRecvWork)
-            w.status, w.value, req = req.status, None, req.req
+            w.status, req = req.status, req.req
         elif req.__class__ is _KeptRequest:
             w = _FastWork.__new__(_FastWork)
             req, keep = req.req, (*keep, req.keep)

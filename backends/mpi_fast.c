@@ -387,6 +387,31 @@ static PyObject *barrier(PyObject *self, PyObject *args)
     return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
 }
 
+/* spin(request, spin[, status]): test an mpi4py Request for at most ``spin`` seconds (at
+ * least once), as the calls above test their own: True if it completed. The request is
+ * tested in place, so the Request object sees it completed (MPI_REQUEST_NULL) and a
+ * receive's mpi4py Status, if given, holds its source. The wait of an async call's Work
+ * (MPI's progress is global: testing one request also drives the others in flight). */
+static PyObject *spin_request(PyObject *self, PyObject *args)
+{
+    PyObject *r, *s = Py_None;
+    double spin;
+    MPI_Request *req;
+    MPI_Status *st = MPI_STATUS_IGNORE;
+    int flag, rc;
+    if (!PyArg_ParseTuple(args, "Od|O", &r, &spin, &s))
+        return NULL;
+    req = PyMPIRequest_Get(r);
+    if (req == NULL)
+        return NULL;
+    if (s != Py_None && (st = PyMPIStatus_Get(s)) == NULL)
+        return NULL;
+    rc = poll(req, spin < 0 ? 0 : spin, st, &flag);
+    if (rc != MPI_SUCCESS)
+        return fail(rc);
+    return PyBool_FromLong(flag);
+}
+
 /* library_version(): MPI_Get_library_version of the library this module is linked to */
 static PyObject *library_version(PyObject *self, PyObject *args)
 {
@@ -421,6 +446,7 @@ static PyMethodDef methods[] = {
     {"send", send, METH_VARARGS, "send(comm, dtype, spin, ptr, count, peer, tag)"},
     {"recv", recv, METH_VARARGS, "recv(comm, dtype, spin, ptr, count, peer, tag)"},
     {"barrier", barrier, METH_VARARGS, "barrier(comm, spin)"},
+    {"spin", spin_request, METH_VARARGS, "spin(request, spin[, status])"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -437,7 +463,7 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
         return NULL;
     /* what mcrdl_backends.mpi expects: raise it when the functions or their arguments
      * change, so that a module built from an older source is refused, not misused */
-    if (PyModule_AddIntConstant(m, "VERSION", 2) < 0)
+    if (PyModule_AddIntConstant(m, "VERSION", 3) < 0)
         return NULL;
     MPIError = PyErr_NewException("mpi_fast.MPIError", PyExc_RuntimeError, NULL);
     if (MPIError == NULL || PyModule_AddObject(m, "MPIError", MPIError) < 0)

@@ -503,8 +503,7 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
         return done if done is MISS else g.ranks[done]
-    done.add_finalizer(lambda: setattr(done, "value", g.ranks[done.source()]))
-    return done
+    return done  # (its ``value``: the source's global rank, see ``Backend.fast_work``)
 
 
 def barrier(rt, group, async_op, backend, probe):
@@ -694,12 +693,9 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
                 or rt.logger.enabled):
             return MISS
         end = ptr + count * isz
-        if async_op:
-            work = _issue_async(eng, be, op, g, issue, (ptr, count, peer, tag),
+        if async_op:  # (a receive's Work has the source as ``value``)
+            return _issue_async(eng, be, op, g, issue, (ptr, count, peer, tag),
                                 ((ptr, end, receives),), (owner,))
-            if receives and work is not MISS:
-                work.add_finalizer(lambda: setattr(work, "value", ranks[work.source()]))
-            return work
         left = blocking(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
             return None if left is None else ranks[left]

@@ -154,7 +154,9 @@ class Backend:
 
     def fast_work(self, op, group, req, spans, keep):
         """The Work of a request an issuer made (``spans``: the memory it reads and
-        writes; ``keep``: what keeps that memory alive). Needed with ``fast_issuer``."""
+        writes; ``keep``: what keeps that memory alive). Needed with ``fast_issuer``.
+        A receive's Work tells its sender: ``source()``, its rank in ``group``, and once
+        complete ``value``, its global rank (what ``Work.result()`` returns)."""
         raise NotImplementedError
 
     def work_of(self, op, group, req, ptr, nbytes, owner):

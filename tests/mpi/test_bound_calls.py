@@ -298,6 +298,43 @@ def test_async_bound_calls_in_flight_together_are_ordered_by_memory():
     assert not mcrdl_core.get_runtime().engine.inflight
 
 
+def test_async_waits_spin_in_the_compiled_module_while_all_in_flight_is_mpi(monkeypatch):
+    """The wait of a fast-path Work spins on its request in the compiled module while
+    everything in flight is MPI's (one async collective; a send and a receive in flight
+    together, the receive's source read from the status the module filled), and leaves
+    the wait to the engine's loop while another library's work is in flight. NumPy's
+    results either way, and nothing left in flight."""
+    from mcrdl_backends import mpi as mpi_backend
+    _bind_all()
+    for _ in range(2):
+        call("send_recv", 0, async_op=True)
+    real, spins = mpi_backend.fast_module().spin, []
+
+    class Counting:  # (an instance: a class attribute that does not bind as a method)
+        def __call__(self, *args):
+            spins.append(args[0])
+            return real(*args)
+
+    counting = Counting()
+    # both: the class's (what waits call) and the module's (what a new bind installs)
+    monkeypatch.setattr(mpi_backend.mpi_fast, "spin", counting)
+    monkeypatch.setattr(mpi_backend._FastWork, "spin_c", counting)
+    for op in OPS:
+        call(op, 5, async_op=True)
+    pairs = 2 * (SIZE // 2)  # ranks with a send/recv partner: two waits each
+    assert len(spins) >= len(OPS) - 1 + (2 if RANK < pairs else 0), spins
+    spins.clear()
+    g, t = values(RANK, 3, F, 7), values(RANK, 3, F, 8)
+    wg = dist.all_reduce(g, dist.ReduceOp.MAX, async_op=True, backend="gloo")
+    wm = dist.broadcast(t, SIZE - 1, async_op=True, backend="mpi")
+    wm.wait()
+    wg.wait()
+    assert spins == []
+    np.testing.assert_array_equal(g.numpy(), stack(range(SIZE), 3, 7).max(0))
+    np.testing.assert_array_equal(t.numpy(), values(SIZE - 1, 3, F, 8).numpy())
+    assert not mcrdl_core.get_runtime().engine.inflight
+
+
 def test_a_broken_group_refuses_a_bound_key_on_every_rank():
     g = dist.new_group(list(range(SIZE)))
     t = values(RANK, 3, F)
