@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import functools
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -113,6 +114,9 @@ def env_store(bootstrap):
 
 
 class GlooWork(Work):
+    """A torch Gloo work. Polled by ``is_completed()``; ``block`` lets a wait on Gloo
+    alone sleep until Gloo's thread finishes it instead of polling."""
+
     poll_group = "gloo"
 
     def __init__(self, op, group, twork, keep=(), finalize=None, desc=""):
@@ -120,13 +124,33 @@ class GlooWork(Work):
         self.twork = twork
         self.keep = keep
         self.on_stream = contextlib.nullcontext  # CUDA: makes the producer stream current
+        self._finished = None  # threading.Event set by the work's future, made by block()
 
     def poll(self) -> bool:
         if not self.twork.is_completed():
-            return False
+            # torch completes the work's future before its own flag: a future that
+            # ``block`` saw complete means the results are in place
+            finished = self._finished
+            if finished is None or not finished.is_set():
+                return False
         with self.on_stream():  # CUDA works: the current stream waits on Gloo's copies back
             self.twork.wait()  # returns at once; raises the library's error if it failed
         return True
+
+    def block(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, GIL released, waking when Gloo's thread completes the
+        work's torch future (an event its callback sets; ``poll`` then reports the work
+        done). What the progress loop does while only such works are in flight: polling
+        instead keeps a core busy that the ranks sharing it need, and its naps (up to 1
+        ms) see completion late; torch's own blocking Gloo calls wait the same way."""
+        done = self._finished
+        if done is None:
+            done = self._finished = threading.Event()
+            try:
+                self.twork.get_future().add_done_callback(lambda _f: done.set())
+            except RuntimeError:  # a work without a future: sleep the slice, then poll
+                pass
+        done.wait(seconds)
 
 
 def _avg(buf: Buffer, n: int):
@@ -334,7 +358,8 @@ class GlooBackend(Backend):
         (lo_o, hi_o), (lo_i, hi_i) = out.span(), inp.span()
         if out.nbytes and inp.nbytes and lo_o < hi_i and lo_i < hi_o:
             ti = ti.clone()
-        tw = self.comm(group).alltoall_base(to, ti, list(out_counts), list(in_counts),
+        tw = self.comm(group).alltoall_base(to, ti, [] if even else list(out_counts),
+                                            [] if even else list(in_counts),
                                             dist.AllToAllOptions())
         return self._work(Op.ALL_TO_ALL, group, tw, (out, inp, to, ti))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mcrdl_torch as dist
-from conftest import GROUPS, RANK, assert_equal, members, values
+from conftest import GROUPS, RANK, SIZE, assert_equal, members, values
 from test_ops import reference
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -147,3 +147,44 @@ def test_random_interleaving(seed):
         pending[j][1]()
         done += 1
     assert done > 0
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a peer that joins late")
+@pytest.mark.parametrize("op", ["all_reduce", "all_to_all"])
+def test_a_wait_on_gloo_alone_sleeps_on_its_future(monkeypatch, op):
+    """With only Gloo work in flight, a wait sleeps until Gloo's thread finishes the work
+    (``GlooWork.block``: an event the torch future sets) instead of polling; once
+    ``block`` has seen the future complete, a poll reports the work done (torch's own
+    flag may lag behind its future), and the result is NumPy's. Rank 0 waits
+    for peers that join 0.2 s late, so its wait must block."""
+    import time
+
+    from mcrdl_backends import gloo as gloo_backend
+    real, seen = gloo_backend.GlooWork.block, []
+
+    def watched(self, seconds):
+        real(self, seconds)
+        seen.append(not self._finished.is_set() or self.poll())
+
+    monkeypatch.setattr(gloo_backend.GlooWork, "block", watched)
+    n, count = SIZE, 1 << 14
+    for salt in range(3):
+        dist.barrier(backend="gloo")
+        if RANK != 0:
+            time.sleep(0.2)
+        x = values(RANK, n * count, torch.float32, salt)
+        if op == "all_reduce":
+            w = dist.all_reduce(x, async_op=True, backend="gloo")
+            want = reference("SUM", [values(r, n * count, torch.float32, salt) for r in range(n)])
+            w.wait()
+            assert_equal(x, want)
+        else:
+            out = torch.zeros(n * count)
+            w = dist.all_to_all_single(out, x, async_op=True, backend="gloo")
+            w.wait()
+            want = torch.cat([values(r, n * count, torch.float32, salt)[RANK * count:
+                                                                        (RANK + 1) * count]
+                              for r in range(n)])
+            assert_equal(out, want)
+    if RANK == 0:
+        assert seen and all(seen), seen
