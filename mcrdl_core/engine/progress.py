@@ -17,9 +17,10 @@ host has more ranks than cores (3 ranks on 2 cores), it spins ``MCRDL_SPIN_US`` 
 doing the work gets the core; so does a process that another took its core from (a
 pass of the loop that took over ``PREEMPTED_S``: a busy host), for ``CONTENDED_S``. With no host-driven work in flight, it yields after the
 spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
-their own threads and engines. A wait whose works are all done by helper threads
-(``Work.block``: Gloo's send, recv and reduce-scatter) with nothing host-driven in flight
-joins the thread instead (a spinning waiter would keep the GIL the helper needs).
+their own threads and engines. A wait whose works can all be slept on (``Work.block``:
+Gloo's works, a helper thread joined or the event their torch future sets) with nothing
+host-driven in flight sleeps on them instead (a spinning waiter would keep the GIL and
+the core that Gloo's threads need, and its naps would see completion late).
 
 Threads. The engine is shared by every thread of the process (a training loop, a
 checkpoint or metrics thread, mcrdl_torch's progress thread), and no thread keeps it
@@ -233,8 +234,8 @@ class ProgressEngine:
         yield_until = start + 0.002
         nap = 1e-5
         check_at = start + CHECK_S
-        # works finished by helper threads (ThreadWork) need the GIL: with no host-driven
-        # work in flight, the loop blocks on them (GIL released) instead of spinning
+        # works finished by other threads (Gloo's: ``block``) need the GIL: with no
+        # host-driven work in flight, the loop sleeps on them (GIL released) instead
         threaded = all(w.block is not None for w in pending)
         last = start
         while True:
