@@ -28,7 +28,6 @@ import contextlib
 import datetime
 import functools
 import os
-import threading
 import warnings
 
 import numpy as np
@@ -124,33 +123,27 @@ class GlooWork(Work):
         self.twork = twork
         self.keep = keep
         self.on_stream = contextlib.nullcontext  # CUDA: makes the producer stream current
-        self._finished = None  # threading.Event set by the work's future, made by block()
 
     def poll(self) -> bool:
         if not self.twork.is_completed():
-            # torch completes the work's future before its own flag: a future that
-            # ``block`` saw complete means the results are in place
-            finished = self._finished
-            if finished is None or not finished.is_set():
-                return False
+            return False
         with self.on_stream():  # CUDA works: the current stream waits on Gloo's copies back
             self.twork.wait()  # returns at once; raises the library's error if it failed
         return True
 
     def block(self, seconds: float) -> None:
-        """Sleep up to ``seconds``, GIL released, waking when Gloo's thread completes the
-        work's torch future (an event its callback sets; ``poll`` then reports the work
-        done). What the progress loop does while only such works are in flight: polling
-        instead keeps a core busy that the ranks sharing it need, and its naps (up to 1
-        ms) see completion late; torch's own blocking Gloo calls wait the same way."""
-        done = self._finished
-        if done is None:
-            done = self._finished = threading.Event()
-            try:
-                self.twork.get_future().add_done_callback(lambda _f: done.set())
-            except RuntimeError:  # a work without a future: sleep the slice, then poll
-                pass
-        done.wait(seconds)
+        """Wait up to ``seconds`` inside torch (GIL released), returning when Gloo's
+        thread completes the work. What the progress loop does while only such works
+        are in flight: polling instead keeps a core busy that the ranks sharing it need,
+        and its naps (up to 1 ms) see completion late. torch's timed wait raises when
+        the time is up and leaves the work running; a failure is raised by the next
+        ``poll``. (Not a callback on the work's future: Gloo's thread would then need
+        the GIL, even when it fails an abandoned work while the interpreter exits.)"""
+        try:
+            with self.on_stream():
+                self.twork.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError:  # "Operation timed out!", or the work failed: poll tells
+            pass
 
 
 def _avg(buf: Buffer, n: int):

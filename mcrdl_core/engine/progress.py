@@ -18,7 +18,7 @@ doing the work gets the core; so does a process that another took its core from 
 pass of the loop that took over ``PREEMPTED_S``: a busy host), for ``CONTENDED_S``. With no host-driven work in flight, it yields after the
 spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
 their own threads and engines. A wait whose works can all be slept on (``Work.block``:
-Gloo's works, a helper thread joined or the event their torch future sets) with nothing
+Gloo's works, a helper thread joined or torch's timed wait) with nothing
 host-driven in flight sleeps on them instead (a spinning waiter would keep the GIL and
 the core that Gloo's threads need, and its naps would see completion late).
 
@@ -261,7 +261,9 @@ class ProgressEngine:
                         self.on_timeout(unfinished, err)
                     raise err
             if threaded and not any(w.host_progress for w in self.inflight):
-                next(w for w in pending if not w.done).block(1e-3)
+                w = next((w for w in pending if not w.done), None)
+                if w is not None:  # (another thread may have completed them meanwhile)
+                    w.block(1e-3)
                 continue
             if now - last > PREEMPTED_S:  # one pass took far longer than a pass takes:
                 self.contended_until = now + CONTENDED_S  # the CPU was taken from us
