@@ -118,7 +118,7 @@ def main():
     opt = torch.optim.SGD(block.dense_params() + block.expert_params(), lr=a.lr)
     state = {"step": 0}
 
-    def capacity_step(h, weight, expert):
+    def capacity_layer(h, expert):
         """The MoE layer with fixed capacity: even all-to-alls of ``n * epr * cap`` rows."""
         slot, kept = capacity_slots(expert, epr * n, cap)
         d = h.shape[1]
@@ -128,15 +128,8 @@ def main():
         back = all_to_all(done.view(epr, n, cap, d).transpose(0, 1).reshape(-1, d))
         return h.new_zeros(h.shape).index_copy(0, kept, back[slot])
 
-    def step():
-        x, target = tokens(a, state["step"], rank)
-        state["step"] += 1
-        opt.zero_grad()
-        h, weight, expert, order = block.route(x)
-        if cap is not None:
-            moe_out = capacity_step(h, weight, expert)
-            loss = nn.functional.mse_loss(block.finish(h, weight, moe_out), target) / n
-            return train_step(loss, block.dense_params(), opt)
+    def routed_layer(h, expert, order):
+        """The MoE layer without a capacity: uneven all-to-alls of the routed tokens."""
         per_expert = torch.bincount(expert, minlength=epr * n)
         send_counts = per_expert.view(n, epr).sum(1).tolist()
         # how many tokens each source sends to each of my experts
@@ -149,7 +142,14 @@ def main():
         pieces = torch.split(arrived, got.reshape(-1).tolist())
         done = torch.cat([block.experts[mine[i % epr]](piece) for i, piece in enumerate(pieces)])
         back = all_to_all(done, send_counts, recv_counts)
-        moe_out = torch.empty_like(back).index_copy(0, order, back)
+        return torch.empty_like(back).index_copy(0, order, back)
+
+    def step():
+        x, target = tokens(a, state["step"], rank)
+        state["step"] += 1
+        opt.zero_grad()
+        h, weight, expert, order = block.route(x)
+        moe_out = routed_layer(h, expert, order) if cap is None else capacity_layer(h, expert)
         loss = nn.functional.mse_loss(block.finish(h, weight, moe_out), target) / n
         return train_step(loss, block.dense_params(), opt)
 
