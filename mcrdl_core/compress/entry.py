@@ -86,7 +86,7 @@ def _plain(rt, g, op, backend, probe, call, reads, writes, async_op, nbytes, the
 
     return run(Call(op, g, backend, probe, async_op=async_op, reads=reads, writes=writes,
                     nbytes=sel_nbytes, log_bytes=nbytes, issue=issue,
-                    check=lambda g: {"count": None if counts else probe.numel,
+                    check=lambda g, c: {"count": None if counts else probe.numel,
                                      "counts": counts}))
 
 

@@ -83,7 +83,7 @@ def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, bac
         return done
     tag = int(tag)
     return run(Call(Op.SEND, group, backend, buf, async_op=async_op, reads=(buf,),
-                    log_bytes=buf.nbytes, check=lambda g: {"peer": g.group_rank(dst, "dst")},
+                    log_bytes=buf.nbytes, check=lambda g, c: {"peer": g.group_rank(dst, "dst")},
                     issue=lambda be, g, red, sig: be.send(g, buf, sig["peer"], tag)))
 
 
@@ -104,7 +104,7 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: boo
 
     return run(Call(Op.RECV, group, backend, buf, async_op=async_op, writes=(buf,),
                     log_bytes=buf.nbytes, issue=issue, value=True,
-                    check=lambda g: {"peer": None if src is None else g.group_rank(src, "src")}))
+                    check=lambda g, c: {"peer": None if src is None else g.group_rank(src, "src")}))
 
 
 def isend(tensor, dst: int, group=None, tag: int = 0, backend=None):
@@ -123,7 +123,7 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
         return done
     return run(Call(Op.BROADCAST, group, backend, buf, async_op=async_op, writes=(buf,),
                     log_bytes=buf.nbytes,
-                    check=lambda g: {"root": g.group_rank(src, "src"), "count": buf.numel},
+                    check=lambda g, c: {"root": g.group_rank(src, "src"), "count": buf.numel},
                     issue=lambda be, g, red, sig: be.broadcast(g, buf, sig["root"])))
 
 
@@ -135,7 +135,7 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
         return done
     return run(Call(Op.REDUCE, group, backend, buf, reduce_op=op, async_op=async_op,
                     writes=(buf,), log_bytes=buf.nbytes,
-                    check=lambda g: {"root": g.group_rank(dst, "dst"), "count": buf.numel},
+                    check=lambda g, c: {"root": g.group_rank(dst, "dst"), "count": buf.numel},
                     issue=lambda be, g, red, sig: be.reduce(g, buf, sig["root"], red)))
 
 
@@ -158,7 +158,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
     return run(Call(
         Op.ALL_REDUCE, group, backend, buf, reduce_op=op, compression=compression,
         async_op=async_op, writes=(buf,), log_bytes=buf.nbytes,
-        check=lambda g: {"count": buf.numel},
+        check=lambda g, c: {"count": buf.numel},
         issue=lambda be, g, red, sig: be.all_reduce(g, buf, red),
         compressed=lambda t, rt, g, red, sig, cz: t.all_reduce(rt, g, buf, red, cz, backend,
                                                               async_op),
@@ -185,7 +185,7 @@ def _hierarchical(tensor, op, group, async_op, backend, compression):
     t, name = _hier_request("all_reduce", backend, compression)
     buf = _v.output(tensor, "tensor")
     return run(Call(Op.ALL_REDUCE, group, name, buf, reduce_op=op, async_op=async_op,
-                    check=lambda g: {"count": buf.numel},
+                    check=lambda g, c: {"count": buf.numel},
                     takeover=lambda rt, g, red: t.all_reduce(rt, g, buf, red, backend,
                                                              async_op)))
 
@@ -203,7 +203,7 @@ def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, grou
     inp = _v.input(input, "input")
     _v.same_kind([out, inp], "all_to_all_single")
 
-    def check(g):
+    def check(g, c):
         counts = _v.splits(None, inp, g.size, "input_split_sizes")
         _v.splits(None, out, g.size, "output_split_sizes")
         _v.numel(out, inp.numel, "output", "the input's element count")
@@ -225,7 +225,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
         if done is not _fast.MISS:
             return done
 
-    def check(g):
+    def check(g, c):
         _v.numel(out, g.size * inp.numel, "output_tensor", f"group size {g.size} x input elements")
         return {"count": inp.numel}
 
@@ -243,7 +243,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     inp = _v.input(tensor, "tensor")
     _v.same_kind(outs + [inp], "all_gather")
 
-    def check(g):
+    def check(g, c):
         if len(outs) != g.size:
             raise _v.InvalidArgumentError(f"all_gather: tensor_list has {len(outs)} tensors "
                                           f"for a group of {g.size}; give one per rank")
@@ -282,7 +282,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
         if done is not _fast.MISS:
             return done
 
-    def check(g):
+    def check(g, c):
         _v.numel(inp, g.size * out.numel, "input", f"group size {g.size} x output elements")
         return {"count": out.numel}
 
@@ -300,7 +300,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
     _v.same_kind([out] + ins, "reduce_scatter")
 
-    def check(g):
+    def check(g, c):
         if len(ins) != g.size:
             raise _v.InvalidArgumentError(f"reduce_scatter: input_list has {len(ins)} tensors "
                                           f"for a group of {g.size}; give one per rank")
@@ -341,24 +341,23 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         if done is not _fast.MISS:
             return done
     form_even = not output_split_sizes and not input_split_sizes
+    # the selection size: an uneven call has none that every rank shares (by its form:
+    # a call without split sizes is even where its checks pass and the sizes match)
+    nbytes = inp.nbytes if form_even and out.numel == inp.numel else None
 
-    def check(g):
+    def check(g, c):
         out_counts = _v.splits(output_split_sizes, out, g.size, "output_split_sizes")
         in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
-        even = len(set(out_counts)) == 1 and len(set(in_counts)) == 1 and out_counts == in_counts
-        # the selection size: an uneven call has none that every rank shares
-        call.nbytes = inp.nbytes if even and form_even else None
         return {"counts": (out_counts, in_counts)}
 
-    call = Call(
+    return run(Call(
         Op.ALL_TO_ALL, group, backend, inp, compression=compression, async_op=async_op,
-        reads=(inp,), writes=(out,), log_bytes=inp.nbytes, check=check,
+        reads=(inp,), writes=(out,), nbytes=nbytes, log_bytes=inp.nbytes, check=check,
         issue=lambda be, g, red, sig: be.all_to_all(g, out, inp, *sig["counts"], form_even),
         compressed=lambda t, rt, g, red, sig, cz: t.all_to_all(
-            rt, g, out, inp, *sig["counts"], cz, backend, async_op, call.nbytes),
+            rt, g, out, inp, *sig["counts"], cz, backend, async_op, nbytes),
         algorithm=None if not form_even else lambda name, rt, g, red: _hooks.transform(
-            "hierarchical").all_to_all(rt, g, out, inp, name, async_op))
-    return run(call)
+            "hierarchical").all_to_all(rt, g, out, inp, name, async_op)))
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
@@ -374,7 +373,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     even = len(set(out_counts + in_counts)) == 1
     nbytes = sum(b.nbytes for b in ins) if even else None
 
-    def check(g):
+    def check(g, c):
         if len(outs) != g.size or len(ins) != g.size:
             raise _v.InvalidArgumentError(f"all_to_all: {len(outs)} output and {len(ins)} input "
                                           f"tensors for a group of {g.size}; give one per rank")
@@ -423,15 +422,17 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
     """Gather ``tensor`` from every rank into ``gather_list`` on ``dst`` (ignored elsewhere)."""
     inp = _v.input(tensor, "tensor")
 
-    def check(g):
+    listed = []  # the checked gather_list (the root's; empty elsewhere), for issue
+
+    def check(g, c):
         root = g.group_rank(dst, "dst")
-        call.writes = _root_list("gather", g, root, gather_list, _v.output, inp, "gather_list",
-                                 "destination", "input")
-        call.log_bytes = g.size * inp.nbytes
+        listed[:] = c.writes = _root_list("gather", g, root, gather_list, _v.output, inp,
+                                          "gather_list", "destination", "input")
+        c.log_bytes = g.size * inp.nbytes
         return {"root": root, "count": inp.numel}
 
     def issue(be, g, red, sig):
-        outs = call.writes
+        outs = listed
         tmp = (alloc.empty((g.size * inp.numel,), inp.dtype, inp.device, like=outs[0])
                if outs else None)
         work = be.gather(g, tmp, inp, sig["root"])
@@ -439,9 +440,8 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
             work.add_finalizer(lambda: _scatter_into(tmp, outs))
         return work
 
-    call = Call(Op.GATHER, group, backend, inp, async_op=async_op, reads=(inp,), check=check,
-                issue=issue)
-    return run(call)
+    return run(Call(Op.GATHER, group, backend, inp, async_op=async_op, reads=(inp,),
+                    check=check, issue=issue))
 
 
 def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
@@ -449,20 +449,21 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
     """Scatter ``scatter_list`` (given on ``src``) into ``tensor`` on every rank."""
     out = _v.output(tensor, "tensor")
 
-    def check(g):
+    listed = []  # the checked scatter_list (the root's; empty elsewhere), for issue
+
+    def check(g, c):
         root = g.group_rank(src, "src")
-        call.reads = _root_list("scatter", g, root, scatter_list, _v.input, out, "scatter_list",
-                                "source", "output")
-        call.log_bytes = g.size * out.nbytes
+        listed[:] = c.reads = _root_list("scatter", g, root, scatter_list, _v.input, out,
+                                         "scatter_list", "source", "output")
+        c.log_bytes = g.size * out.nbytes
         return {"root": root, "count": out.numel}
 
     def issue(be, g, red, sig):
-        tmp = _concat(call.reads, g.size * out.numel) if call.reads else None
+        tmp = _concat(listed, g.size * out.numel) if listed else None
         return be.scatter(g, out, tmp, sig["root"])
 
-    call = Call(Op.SCATTER, group, backend, out, async_op=async_op, writes=(out,), check=check,
-                issue=issue)
-    return run(call)
+    return run(Call(Op.SCATTER, group, backend, out, async_op=async_op, writes=(out,),
+                    check=check, issue=issue))
 
 
 # --- barrier -------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from .runtime import get_runtime
 _POINT_TO_POINT = (Op.SEND, Op.RECV)
 
 
-def _no_check(g) -> dict:
+def _no_check(g, c) -> dict:
     return {}
 
 
@@ -61,8 +61,15 @@ class Call:
     None: no size, an uneven call); ``log_bytes``: the size the logger and observers
     record. The op's own parts, as functions:
 
-    - ``check(g) -> dict``: checks that need the group; the observers' signature
-      (``root``, ``count``, ``counts``); may set ``nbytes``;
+    - ``check(g, c) -> dict``: checks that need the group; the observers' signature
+      (``root``, ``count``, ``counts``); may set the call's ``reads``, ``writes`` and
+      ``log_bytes`` (a gather's list exists on its root only);
+
+    No part refers to its own Call by closure: it gets the Call as ``c`` instead. A
+    closure over its Call is a reference cycle (the Call holds the closure) that keeps
+    the call's buffers, and so the caller's tensors, alive until Python's cyclic
+    collector runs, which counts objects, not bytes: a training loop's heap then grows
+    by every step's tensors and its compute runs on fresh pages.
     - ``issue(be, g, red, sig) -> Work``: the backend's call;
     - ``compressed(t, rt, g, red, sig, cz)``: the call through the ``compression``
       transform ``t`` with the resolved spec ``cz`` (None: the op has no codecs);
@@ -125,7 +132,7 @@ def run(c: Call):
     rt = get_runtime()
     g = rt.group(c.group)
     red = _reduce_op(c.reduce_op, c.buf)
-    sig = c.check(g)
+    sig = c.check(g, c)
     takeover = c.takeover
     if c.algorithm is not None and c.nbytes is not None:
         name = _selection.algorithm(rt, c.op, g, c.buf, c.backend, c.nbytes)

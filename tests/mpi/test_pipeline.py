@@ -41,7 +41,7 @@ def values(r, n, salt=0):
 def all_reduce_call(x, backend, async_op=False, **kw):
     buf = Buffer.from_numpy(x)
     return Call(Op.ALL_REDUCE, None, backend, buf, reduce_op=ReduceOp.MAX, async_op=async_op,
-                writes=(buf,), log_bytes=buf.nbytes, check=lambda g: {"count": buf.numel},
+                writes=(buf,), log_bytes=buf.nbytes, check=lambda g, c: {"count": buf.numel},
                 issue=lambda be, g, red, sig: be.all_reduce(g, buf, red), **kw)
 
 
@@ -70,7 +70,7 @@ def test_the_checks_refuse_the_call_on_every_rank_before_anything_is_sent(rt):
     x = values(RANK, 4)
     before = x.copy()
 
-    def check(g):
+    def check(g, c):
         if g.size == SIZE:
             raise InvalidArgumentError(f"refused on group rank {g.rank}")
         return {}
@@ -111,10 +111,10 @@ def test_send_and_recv_described_as_calls_are_not_shown_to_observers(rt, backend
     out, inp = np.zeros(5, np.float32), values(RANK, 5)
     ob, ib = Buffer.from_numpy(out), Buffer.from_numpy(inp)
     recv = run(Call(Op.RECV, None, backend, ob, async_op=True, writes=(ob,),
-                    check=lambda g: {"peer": g.group_rank(prv, "src")},
+                    check=lambda g, c: {"peer": g.group_rank(prv, "src")},
                     issue=lambda be, g, red, sig: be.recv(g, ob, sig["peer"], 3)))
     send = run(Call(Op.SEND, None, backend, ib, async_op=True, reads=(ib,),
-                    check=lambda g: {"peer": g.group_rank(nxt, "dst")},
+                    check=lambda g, c: {"peer": g.group_rank(nxt, "dst")},
                     issue=lambda be, g, red, sig: be.send(g, ib, sig["peer"], 3)))
     send.wait()
     recv.wait()
