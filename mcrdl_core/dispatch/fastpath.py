@@ -26,8 +26,8 @@ checks), compression (``compression=`` or ``MCRDL_COMPRESSION``), device memory,
 backend without an issuer (Gloo, NCCL) or an op it needs more than one library call for
 (16-bit float and AVG reductions finish on the host), deferred work pending, memory that
 conflicts with work in flight (the general path orders it), bad input of any kind (the
-general path raises its error), an uneven all-to-all under a tuning table. The
-all-reduce alone also steps aside whenever anything is in flight.
+general path raises its error). The all-reduce alone also steps aside whenever
+anything is in flight.
 
 The wait. With nothing else in flight, polling this one request *is* the progress
 loop: a blocking call spins on ``Request.Test`` for at most ``MCRDL_SPIN_US`` µs,
@@ -451,8 +451,8 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
             _bind(rt, bind, plan, g, backend, (), _bind_all_to_all, isz, async_op)
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
-    if _table_decides(rt, backend, g):
-        return MISS  # a table decides by size, and an uneven call has none in common
+    # under a table the key carries no size (None): the table's largest range decides,
+    # as it does on the general path (an uneven call has no size every rank shares)
     plan = _lookup(rt, _T_UNEVEN, g, dtype, backend, None, None, buf,
                    (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
     if plan is None or plan[1] is None:

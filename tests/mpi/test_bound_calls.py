@@ -374,7 +374,9 @@ def test_keys_a_table_decides_by_size_are_not_bound():
     rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
         {"op": op, "world_size": SIZE, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
          "dtype_class": "float", "ranges": [[None, "mpi"]]}
-        for op in ("all_reduce", "broadcast", "all_gather")]}, "<test>"))
+        for op in ("all_reduce", "broadcast", "all_gather", "all_to_all")]}, "<test>"))
+    out_splits = [s + 1 + RANK for s in range(SIZE)]  # rank s sends rank r s + 1 + r rows
+    in_splits = [RANK + 1 + d for d in range(SIZE)]
     try:
         for salt in range(3):
             t = values(RANK, 3, F, salt)
@@ -383,6 +385,15 @@ def test_keys_a_table_decides_by_size_are_not_bound():
             b = values(RANK, 3, F, salt)
             dist.broadcast(b, SIZE - 1)
             np.testing.assert_array_equal(b.numpy(), values(SIZE - 1, 3, F, salt).numpy())
+            x = torch.cat([values(RANK, k, F, salt + d) for d, k in enumerate(in_splits)])
+            y = torch.empty(sum(out_splits), dtype=F)
+            dist.all_to_all_single(y, x, out_splits, in_splits)
+            np.testing.assert_array_equal(y.numpy(), torch.cat(
+                [values(s, k, F, salt + RANK) for s, k in enumerate(out_splits)]).numpy())
+        # an uneven all-to-all has no size every rank shares: the table's largest range
+        # decides, once, and the fast path serves it (its key carries no size)
+        uneven = [v for k, v in rt.choices.items() if k[0] == "fast:all_to_all_v"]
+        assert len(uneven) == 1 and uneven[0][1] is not None, uneven
         keys = {k: v for k, v in rt.choices.items()
                 if isinstance(k[0], str) and k[0].startswith("bound:")}
         assert keys and all(v is None for v in keys.values()), keys
