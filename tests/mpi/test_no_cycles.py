@@ -35,9 +35,11 @@ def rows(r, n, salt=0):
 
 def garbage_of(fn) -> list:
     """Run ``fn`` with the collector off; the type names of the objects it left in
-    reference cycles (collected here, so a failing test leaks nothing further)."""
-    gc.collect()
+    reference cycles. Every object older than the call is frozen first (``gc.freeze``),
+    so the collection here looks only at what the call made, and takes milliseconds
+    instead of a walk over everything torch and JAX hold."""
     gc.disable()
+    gc.freeze()
     try:
         fn()
         gc.set_debug(gc.DEBUG_SAVEALL)
@@ -46,6 +48,7 @@ def garbage_of(fn) -> list:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+        gc.unfreeze()
         gc.enable()
     return found
 
@@ -143,9 +146,9 @@ OPS = {"all_to_all_single uneven": _uneven, "all_to_all_single even": _even,
 @pytest.mark.parametrize("op", list(OPS))
 def test_a_core_call_leaves_no_reference_cycle(path, op, async_op):
     fn = OPS[op]
-    fn("mpi", async_op)  # first call of a key: the memo is filled (that may allocate)
-    assert garbage_of(lambda: fn("mpi", async_op)) == []
-    assert garbage_of(lambda: fn(None, async_op)) == [], "selected by MCR-DL (auto)"
+    fn("mpi", async_op)  # first calls of the keys: the memo is filled (that may allocate)
+    fn(None, async_op)
+    assert garbage_of(lambda: (fn("mpi", async_op), fn(None, async_op))) == []
 
 
 def _pg_uneven(tdist):
