@@ -8,12 +8,11 @@ every rank; the results are checked against NumPy, and ``gc.collect()`` must fin
 nothing the call made."""
 import gc
 
-import numpy as np
 import pytest
 import torch
 
 import mcrdl_core
-from conftest import RANK, SIZE, dist, torch_world  # noqa: F401
+from conftest import RANK, SIZE, dist, torch_world, values  # noqa: F401
 
 
 class Quiet(mcrdl_core.Observer):
@@ -30,7 +29,8 @@ def path(request):
 
 
 def rows(r, n, salt=0):
-    return torch.tensor(((np.arange(n) * 7 + r * 3 + salt) % 5 + 1), dtype=torch.float32)
+    """Rank ``r``'s ``n`` float32 inputs (conftest's ``values``: exact in sums)."""
+    return values(r, n, torch.float32, salt)
 
 
 def garbage_of(fn) -> list:
