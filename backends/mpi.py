@@ -96,43 +96,36 @@ class _FastWork(MPIWork):
     """An MPIWork of the fast path (``MPIBackend.fast_work``): what is the same for all of
     them is set on the class instead of on each.
 
-    Its ``wait`` first spins on its own request in the compiled module (``spin_c``, set
-    where the module is in use) when every work in flight on this rank is MPI's: MPI's
-    progress is global, so testing this request drives the others too, and nothing of
-    another library waits to be polled meanwhile. At most the engine's spin time, under
-    its ``poll_lock``; a request not finished by then, a timeout given, or anything else
-    in flight goes to the engine's wait (its timeout and diagnostics), as any Work."""
+    Its ``wait`` first hands itself to the compiled module (``finish_c``, set where the
+    module is in use), which, while every work in flight on this rank is MPI's and
+    nothing is deferred, spins on this request under the engine's ``poll_lock`` for at
+    most the engine's spin time and finishes the work if it completed. MPI's progress is
+    global, so testing this request drives the others too, and nothing of another
+    library waits to be polled meanwhile. A request not finished by then, a timeout
+    given, or anything else in flight goes to the engine's wait (its timeout and
+    diagnostics), as any Work."""
 
     backend, desc, status, error, value = "mpi", "", None, None, None
-    #: ``mpi_fast.spin`` while the compiled module is in use, else None (mpi4py's Test)
-    spin_c = None
+    # until set on the instance: not done, not registered, no finalizers (a tuple, which
+    # ``add_finalizer`` replaces by a list)
+    done, engine, finalizers = False, None, ()
+    #: ``mpi_fast.finish_alone`` while the compiled module is in use, else None
+    finish_c = None
 
     def poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
 
+    def Test(self) -> bool:  # noqa: N802 (a request's name: the fast path polls either)
+        return self.req.Test()
+
     def wait(self, timeout=None) -> bool:
-        if not self.done:
-            eng = self.engine
-            if (timeout is None and self.spin_c is not None and eng is not None
-                    and not eng.pending and _MPI_WORKS.issuperset(map(type, eng.inflight))):
-                lock = eng.poll_lock
-                if lock.acquire(False):
-                    try:
-                        if not self.done and self.spin_c(self.req, eng.spin_s, self.status):
-                            if self.finalizers:
-                                self.complete()
-                            else:  # ``complete`` without finalizers to run
-                                self.keep, self.done = (), True
-                                eng.discard(self)
-                    except BaseException as exc:  # a library error: the work fails with it
-                        self.complete(exc)
-                    finally:
-                        lock.release()
-            if not self.done:  # the engine's wait: its timeout and diagnostics
-                return MPIWork.wait(self, timeout)
-        if self.error is not None:
-            return MPIWork.wait(self, timeout)  # raises it
-        return True
+        if timeout is None and self.finish_c is not None:
+            try:
+                if self.finish_c(self, _MPI_WORKS):
+                    return True
+            except BaseException as exc:  # a library error: the work fails with it
+                self.complete(exc)
+        return MPIWork.wait(self, timeout)  # the engine's wait (and a failure's error)
 
 
 class _FastRecvWork(_FastWork):
@@ -141,6 +134,9 @@ class _FastRecvWork(_FastWork):
     asked (no finalizer to run at completion)."""
 
     def poll(self) -> bool:
+        return self.req.Test(self.status)
+
+    def Test(self) -> bool:  # noqa: N802
         return self.req.Test(self.status)
 
     def source(self) -> int:
@@ -260,7 +256,7 @@ try:  # the compiled hot path: built by mcrdl_backends.build (make install), not
 except ImportError as _exc:
     mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
 
-_FAST_VERSION = 3  # mpi_fast.c's VERSION that this module's calls are written for
+_FAST_VERSION = 4  # mpi_fast.c's VERSION that this module's calls are written for
 _COMPILED: list = []
 
 
@@ -279,6 +275,7 @@ def compiled():
             _COMPILED.append((None, "built against another MPI library than mpi4py's: "
                                     "rebuild with python -m mcrdl_backends.build"))
         else:
+            mpi_fast.set_work_classes(_FastWork, _FastRecvWork)
             _COMPILED.append((mpi_fast, "built"))
     return _COMPILED[0]
 
@@ -502,22 +499,15 @@ class MPIBackend(Backend):
         - barrier: ``()``; ``Ibarrier``
 
         With the compiled module in use (``fast_module``) the issuer is its function of
-        the op, not polled (``fast_blocking`` with a negative spin).
+        the op, not polled (``fast_blocking`` with a negative spin), and what it returns
+        is already the call's Work (``_FastWork``; a receive's ``_FastRecvWork``), which
+        ``fast_work`` completes.
         """
         if dtype is not None and dtype not in _TYPES:
             return None
         if red is not None and (dtype.is_half or red is ReduceOp.AVG):
             return None
         compiled = self.fast_blocking(op, group, dtype, red, root)
-        if compiled is not None and op is Op.RECV:
-            def compiled_recv(ptr, count, peer, tag):
-                return _RecvRequest(compiled(-1.0, ptr, count, peer, tag)[0], MPI.Status())
-            return compiled_recv
-        if compiled is not None and op is Op.ALL_TO_ALL and root == "v":
-            def compiled_v(*args):
-                left = compiled(-1.0, *args)
-                return left if left is False else _KeptRequest(*left)
-            return compiled_v
         if compiled is not None:  # the same call, compiled, never polled (spin < 0)
             return functools.partial(compiled, -1.0)
         comm = self.comm(group)
@@ -589,9 +579,9 @@ class MPIBackend(Backend):
         use (``fast_module``). The uneven all-to-all's returns, if unfinished, its
         request with the count arrays MPI reads until completion (``fast_request``
         keeps them with the request). Also sets how the fast path's Works wait
-        (``_FastWork.spin_c``): by the module's spin where it is in use."""
+        (``_FastWork.finish_c``): in the module where it is in use."""
         c = fast_module()
-        _FastWork.spin_c = None if c is None else c.spin
+        _FastWork.finish_c = None if c is None else c.finish_alone
         if c is None or (dtype is not None and dtype not in _TYPES):
             return None
         if red is not None and (dtype.is_half or red is ReduceOp.AVG):
@@ -623,27 +613,27 @@ class MPIBackend(Backend):
 
     @staticmethod
     def fast_request(left):
-        """The pending request a ``fast_blocking`` call left (an mpi4py Request; a
-        receive's in a 1-tuple; the uneven all-to-all's in a 2-tuple with the memory of
-        its counts, which ``fast_work`` keeps), as ``fast_issuer``'s issuer would have
-        returned it."""
-        if left.__class__ is tuple:
-            return _RecvRequest(left[0], MPI.Status()) if len(left) == 1 else _KeptRequest(*left)
+        """The pending call a ``fast_blocking`` call left: its Work already (made by the
+        compiled module), as ``fast_issuer``'s compiled issuer returns it."""
         return left
 
     def fast_work(self, op, group, req, spans, keep):
-        """The Work of a request an issuer of ``fast_issuer`` made, without the
-        constructor (``keep``: what keeps the memory alive)."""
-        if req.__class__ is _RecvRequest:
+        """The Work, unregistered, of what an issuer of ``fast_issuer`` returned (``keep``:
+        what keeps the memory alive): the compiled module's Work, completed here, or a
+        Work made without the constructor around the Python issuers' request."""
+        cls = req.__class__
+        if cls is _FastWork or cls is _FastRecvWork:  # made by the compiled module
+            req.op, req.group, req.keep, req.spans = op, group, keep, spans
+            return req
+        if cls is _RecvRequest:
             w = _FastRecvWork.__new__(_FastRecvWork)
             w.status, req = req.status, req.req
-        elif req.__class__ is _KeptRequest:
+        elif cls is _KeptRequest:
             w = _FastWork.__new__(_FastWork)
             req, keep = req.req, (*keep, req.keep)
         else:
             w = _FastWork.__new__(_FastWork)
-        w.op, w.group, w.finalizers, w.done, w.engine = op, group, [], False, None
-        w.req, w.keep, w.spans = req, keep, spans
+        w.op, w.group, w.req, w.keep, w.spans = op, group, req, keep, spans
         return w
 
     def barrier(self, group):

@@ -7,10 +7,14 @@
  * What each function keeps of the fast path's rules: nothing blocks inside MPI. Each
  * issues the nonblocking form (MPI_Iallreduce, MPI_Ibcast, ...) and tests it for at most
  * ``spin`` seconds, with the GIL released after the first test. A request that
- * completed gives None (a receive: its source rank); one that did not gives it as an
- * mpi4py Request (a receive: in a 1-tuple), which the caller waits for through its
- * progress engine, with the engine's timeout and diagnostics. ``spin`` < 0 returns the
- * Request untested (async calls). An MPI error raises ``MPIError`` with MPI's message.
+ * completed gives None (a receive: its source rank); one that did not gives the Work of
+ * it, unregistered: an instance of the class ``set_work_classes`` named (a receive's: of
+ * the second class, with an mpi4py Status as ``status``), made without its constructor,
+ * with the mpi4py Request as ``req``; the caller fills in the rest and waits for it
+ * through its progress engine, with the engine's timeout and diagnostics. ``spin`` < 0
+ * returns the Work untested (async calls). Making the Work here saves an async call
+ * the Python of a Request wrapper and of the Work's construction. An MPI error raises
+ * ``MPIError`` with MPI's message.
  *
  * Arguments: the fixed ones first (communicator, datatype and op handles as mpi4py's
  * ``.handle`` gives them; the root), so that the backend binds them once with
@@ -24,6 +28,7 @@
 #include <Python.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h> /* mpi4py's C API: Request objects from handles */
+#include <string.h>
 #include <time.h>
 
 static PyObject *MPIError; /* raised with MPI's error string */
@@ -73,7 +78,34 @@ static int poll(MPI_Request *req, double spin, MPI_Status *st, int *flag)
     return rc;
 }
 
-/* None if ``req`` completes within ``spin`` seconds, else an mpi4py Request of it. */
+/* The classes of the Works made here (set_work_classes), and names set on them. */
+static PyTypeObject *work_cls, *recv_work_cls;
+static PyObject *s_req, *s_status, *s_counts, *s_empty;
+
+/* The Work of the unfinished ``req``: an instance of ``cls`` made as ``cls.__new__(cls)``
+ * would, with ``req`` (an mpi4py Request) and, where ``name`` is not NULL, ``value`` as
+ * attribute ``name``. On an error the request is leaked (MPI may still use its memory). */
+static PyObject *new_work(PyTypeObject *cls, MPI_Request req, PyObject *name, PyObject *value)
+{
+    PyObject *w, *h;
+    if (cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "mpi_fast: call set_work_classes first");
+        return NULL;
+    }
+    if ((h = PyMPIRequest_New(req)) == NULL)
+        return NULL;
+    w = PyBaseObject_Type.tp_new(cls, s_empty, NULL);
+    if (w == NULL || PyObject_SetAttr(w, s_req, h) < 0
+        || (name != NULL && PyObject_SetAttr(w, name, value) < 0)) {
+        Py_XDECREF(w);
+        Py_DECREF(h);
+        return NULL;
+    }
+    Py_DECREF(h);
+    return w;
+}
+
+/* None if ``req`` completes within ``spin`` seconds, else its Work. */
 static PyObject *finish(MPI_Request req, double spin)
 {
     int flag, rc = poll(&req, spin, MPI_STATUS_IGNORE, &flag);
@@ -81,7 +113,20 @@ static PyObject *finish(MPI_Request req, double spin)
         return fail(rc);
     if (flag)
         Py_RETURN_NONE;
-    return PyMPIRequest_New(req);
+    return new_work(work_cls, req, NULL, NULL);
+}
+
+/* set_work_classes(work, recv_work): the classes of the Works the calls return */
+static PyObject *set_work_classes(PyObject *self, PyObject *args)
+{
+    PyTypeObject *w, *r;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &w, &PyType_Type, &r))
+        return NULL;
+    Py_INCREF(w);
+    Py_INCREF(r);
+    Py_XSETREF(work_cls, w);
+    Py_XSETREF(recv_work_cls, r);
+    Py_RETURN_NONE;
 }
 
 /* "O&" converter: a peer rank, or None for any source */
@@ -269,8 +314,8 @@ static int side(PyObject *splits, Py_ssize_t count, Py_ssize_t rows, int n, MPI_
  * out_splits, in_splits): ``all_to_all_single`` by split sizes along dim 0 (None: even on
  * that side). False, with nothing sent, if the splits do not fit (see ``side``) or this
  * rank's own block differs in size between them; else None if it completed within
- * ``spin``, or (Request, counts): the counts' memory, which MPI reads until the request
- * completes, goes with the request for the caller to keep alive. */
+ * ``spin``, or its Work, with the counts' memory, which MPI reads until the request
+ * completes, as ``counts``. */
 static PyObject *alltoallv(PyObject *self, PyObject *args)
 {
     double spin;
@@ -278,7 +323,7 @@ static PyObject *alltoallv(PyObject *self, PyObject *args)
     handle_t comm, dtype;
     Py_ssize_t out_count, out_rows, in_count, in_rows;
     int n, me, rc, flag;
-    PyObject *out_splits, *in_splits, *keep, *h, *tup;
+    PyObject *out_splits, *in_splits, *keep, *w;
     MPI_Count *oc, *ic;
     MPI_Aint *od, *id;
     MPI_Request req;
@@ -315,14 +360,10 @@ static PyObject *alltoallv(PyObject *self, PyObject *args)
     }
     /* from here on MPI may still read the counts: on an error (out of memory) they are
      * leaked, not freed */
-    h = PyMPIRequest_New(req);
-    if (h == NULL)
-        return NULL;
-    tup = PyTuple_Pack(2, h, keep);
-    Py_DECREF(h);
-    if (tup != NULL)
+    w = new_work(work_cls, req, s_counts, keep);
+    if (w != NULL)
         Py_DECREF(keep);
-    return tup;
+    return w;
 }
 
 /* send(comm, dtype, spin, ptr, count, peer, tag) */
@@ -343,7 +384,7 @@ static PyObject *send(PyObject *self, PyObject *args)
 }
 
 /* recv(comm, dtype, spin, ptr, count, peer, tag), peer None: any source. Returns the
- * source rank if the receive completed within ``spin``, else its Request in a 1-tuple. */
+ * source rank if the receive completed within ``spin``, else its Work, with a Status. */
 static PyObject *recv(PyObject *self, PyObject *args)
 {
     double spin;
@@ -353,7 +394,7 @@ static PyObject *recv(PyObject *self, PyObject *args)
     int src, tag, rc, flag;
     MPI_Request req;
     MPI_Status st;
-    PyObject *h, *tup;
+    PyObject *status, *w;
     if (!PyArg_ParseTuple(args, "KKdO&nO&i", &comm, &dtype, &spin, address, &ptr, &count, peer,
                           &src, &tag))
         return NULL;
@@ -366,12 +407,12 @@ static PyObject *recv(PyObject *self, PyObject *args)
         return fail(rc);
     if (flag)
         return PyLong_FromLong(st.MPI_SOURCE);
-    h = PyMPIRequest_New(req);
-    if (h == NULL)
+    memset(&st, 0, sizeof st);
+    if ((status = PyMPIStatus_New(&st)) == NULL)
         return NULL;
-    tup = PyTuple_Pack(1, h);
-    Py_DECREF(h);
-    return tup;
+    w = new_work(recv_work_cls, req, s_status, status);
+    Py_DECREF(status);
+    return w;
 }
 
 /* barrier(comm, spin) */
@@ -412,6 +453,170 @@ static PyObject *spin_request(PyObject *self, PyObject *args)
     return PyBool_FromLong(flag);
 }
 
+/* Names finish_alone reads and writes, interned once (at import). */
+static PyObject *s_done, *s_error, *s_engine, *s_pending, *s_inflight, *s_poll_lock, *s_spin_s,
+    *s_finalizers, *s_keep, *s_complete, *s_acquire, *s_release;
+
+/* Whether ``o``'s attribute ``name`` is true (-1: error). */
+static int attr_true(PyObject *o, PyObject *name)
+{
+    int t;
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Spin on the request of ``w`` (an async fast-path Work, registered with engine ``eng``)
+ * under the engine's poll_lock, and finish it if it completed. Returns 1 if it did, 2 if
+ * it spun and the request is not done, 0 if the lock was busy, -1 on an error (raised). */
+static int spin_and_finish(PyObject *w, PyObject *eng, PyObject *inflight)
+{
+    PyObject *lock, *o, *req = NULL, *status = NULL;
+    MPI_Request *r;
+    MPI_Status *st = MPI_STATUS_IGNORE;
+    double spin;
+    int flag = 0, rc, got, out = -1;
+    Py_ssize_t i;
+
+    lock = PyObject_GetAttr(eng, s_poll_lock);
+    if (lock == NULL)
+        return -1;
+    o = PyObject_CallMethodOneArg(lock, s_acquire, Py_False);
+    if (o == NULL) {
+        Py_DECREF(lock);
+        return -1;
+    }
+    got = o == Py_True;
+    Py_DECREF(o);
+    if (!got) {
+        Py_DECREF(lock);
+        return 0;
+    }
+    /* under the lock: another thread may have finished it meanwhile */
+    if ((rc = attr_true(w, s_done)) != 0) {
+        out = rc < 0 ? -1 : 1;
+        goto release;
+    }
+    if ((o = PyObject_GetAttr(eng, s_spin_s)) == NULL)
+        goto release;
+    spin = PyFloat_AsDouble(o);
+    Py_DECREF(o);
+    if (spin == -1.0 && PyErr_Occurred())
+        goto release;
+    if ((req = PyObject_GetAttr(w, s_req)) == NULL || (r = PyMPIRequest_Get(req)) == NULL)
+        goto release;
+    if ((status = PyObject_GetAttr(w, s_status)) == NULL)
+        goto release;
+    if (status != Py_None && (st = PyMPIStatus_Get(status)) == NULL)
+        goto release;
+    rc = poll(r, spin < 0 ? 0 : spin, st, &flag);
+    if (rc != MPI_SUCCESS) {
+        fail(rc);
+        goto release;
+    }
+    if (!flag) {
+        out = 2;
+        goto release;
+    }
+    if ((rc = attr_true(w, s_finalizers)) < 0)
+        goto release;
+    if (rc) { /* finalizers to run: Work.complete does it all */
+        if ((o = PyObject_CallMethodNoArgs(w, s_complete)) == NULL)
+            goto release;
+        Py_DECREF(o);
+        out = 1;
+        goto release;
+    }
+    /* Work.complete without finalizers: keep dropped, done, out of the in-flight list */
+    if (PyObject_SetAttr(w, s_keep, s_empty) < 0 || PyObject_SetAttr(w, s_done, Py_True) < 0)
+        goto release;
+    for (i = 0; i < PyList_GET_SIZE(inflight); i++)
+        if (PyList_GET_ITEM(inflight, i) == w) {
+            if (PyList_SetSlice(inflight, i, i + 1, NULL) < 0)
+                goto release;
+            break;
+        }
+    out = 1;
+release:
+    Py_XDECREF(req);
+    Py_XDECREF(status);
+    if (out < 0) { /* release the lock, keeping the error raised */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        o = PyObject_CallMethodNoArgs(lock, s_release);
+        Py_XDECREF(o);
+        PyErr_Restore(et, ev, tb);
+    } else if ((o = PyObject_CallMethodNoArgs(lock, s_release)) == NULL) {
+        out = -1;
+    } else {
+        Py_DECREF(o);
+    }
+    Py_DECREF(lock);
+    return out;
+}
+
+/* finish_alone(work, mpi_work_types): the first step of an async fast-path Work's wait.
+ * True if the work is done: already (without an error), or now: its request completed
+ * within the engine's spin, tested under the engine's poll_lock while every work in
+ * flight is of ``mpi_work_types`` and nothing is deferred. None if it spun that long
+ * and the request is not done; False if it did not try (an error to raise, no engine,
+ * deferred work, another library's work in flight, the lock busy). The caller's wait
+ * runs unless True. Finishing is Work.complete where the work has finalizers, else its
+ * three effects, done here. An MPI error raises MPIError (the caller fails the work). */
+static PyObject *finish_alone(PyObject *self, PyObject *args)
+{
+    PyObject *w, *types, *eng, *inflight = NULL, *o;
+    int t, out = -1;
+    Py_ssize_t i;
+    if (!PyArg_ParseTuple(args, "OO!", &w, &PyFrozenSet_Type, &types))
+        return NULL;
+    if ((t = attr_true(w, s_done)) < 0)
+        return NULL;
+    if (t) {
+        if ((o = PyObject_GetAttr(w, s_error)) == NULL)
+            return NULL;
+        t = o == Py_None;
+        Py_DECREF(o);
+        return PyBool_FromLong(t);
+    }
+    if ((eng = PyObject_GetAttr(w, s_engine)) == NULL)
+        return NULL;
+    if (eng == Py_None) {
+        out = 0;
+        goto end;
+    }
+    if ((t = attr_true(eng, s_pending)) != 0) {
+        out = t < 0 ? -1 : 0;
+        goto end;
+    }
+    if ((inflight = PyObject_GetAttr(eng, s_inflight)) == NULL)
+        goto end;
+    if (!PyList_Check(inflight)) {
+        out = 0;
+        goto end;
+    }
+    for (i = 0; i < PyList_GET_SIZE(inflight); i++) {
+        /* a type hashes by identity: no Python code runs here */
+        t = PySet_Contains(types, (PyObject *)Py_TYPE(PyList_GET_ITEM(inflight, i)));
+        if (t <= 0) {
+            out = t < 0 ? -1 : 0;
+            goto end;
+        }
+    }
+    out = spin_and_finish(w, eng, inflight);
+end:
+    Py_XDECREF(inflight);
+    Py_DECREF(eng);
+    if (out < 0)
+        return NULL;
+    if (out == 2)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(out);
+}
+
 /* library_version(): MPI_Get_library_version of the library this module is linked to */
 static PyObject *library_version(PyObject *self, PyObject *args)
 {
@@ -447,6 +652,8 @@ static PyMethodDef methods[] = {
     {"recv", recv, METH_VARARGS, "recv(comm, dtype, spin, ptr, count, peer, tag)"},
     {"barrier", barrier, METH_VARARGS, "barrier(comm, spin)"},
     {"spin", spin_request, METH_VARARGS, "spin(request, spin[, status])"},
+    {"finish_alone", finish_alone, METH_VARARGS, "finish_alone(work, mpi_work_types)"},
+    {"set_work_classes", set_work_classes, METH_VARARGS, "set_work_classes(work, recv_work)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -463,7 +670,26 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
         return NULL;
     /* what mcrdl_backends.mpi expects: raise it when the functions or their arguments
      * change, so that a module built from an older source is refused, not misused */
-    if (PyModule_AddIntConstant(m, "VERSION", 3) < 0)
+    if (PyModule_AddIntConstant(m, "VERSION", 4) < 0)
+        return NULL;
+#define INTERN(v, name) if ((v = PyUnicode_InternFromString(name)) == NULL) return NULL
+    INTERN(s_done, "done");
+    INTERN(s_error, "error");
+    INTERN(s_engine, "engine");
+    INTERN(s_pending, "pending");
+    INTERN(s_inflight, "inflight");
+    INTERN(s_poll_lock, "poll_lock");
+    INTERN(s_spin_s, "spin_s");
+    INTERN(s_req, "req");
+    INTERN(s_status, "status");
+    INTERN(s_finalizers, "finalizers");
+    INTERN(s_keep, "keep");
+    INTERN(s_complete, "complete");
+    INTERN(s_acquire, "acquire");
+    INTERN(s_release, "release");
+    INTERN(s_counts, "counts");
+#undef INTERN
+    if ((s_empty = PyTuple_New(0)) == NULL)
         return NULL;
     MPIError = PyErr_NewException("mpi_fast.MPIError", PyExc_RuntimeError, NULL);
     if (MPIError == NULL || PyModule_AddObject(m, "MPIError", MPIError) < 0)

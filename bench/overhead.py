@@ -6,7 +6,9 @@ Run (2 ranks; from the checkout):
 Every op (``--table ops``): all_reduce, broadcast, reduce, all_gather_into_tensor,
 reduce_scatter_tensor, all_to_all_single (even, and by split sizes), an isend/irecv ring
 and barrier through ``mcrdl_torch`` with ``backend="mpi"``, blocking and async + wait,
-each interleaved with the same blocking mpi4py call (the ring: Irecv + Isend + Waitall).
+each interleaved with the same mpi4py call: blocking against the blocking call, async +
+wait against the nonblocking call + ``Wait`` (``Iallreduce(...).Wait()``; the ring:
+Irecv + Isend + Waitall), with async's excess over the blocking call beside it.
 
 The all-reduce table (``--table all_reduce``):
 
@@ -110,9 +112,12 @@ def _wait_all(works) -> None:
 
 
 def op_paths(nbytes: int, n: int, rank: int) -> dict:
-    """{op: (raw mpi4py call, mcrdl_torch blocking call, mcrdl_torch async + wait)} for
-    every op of the issue list, float32 of ``nbytes`` per rank's block, backend="mpi"
-    (the same library underneath: the difference is MCR-DL's own cost)."""
+    """{op: (raw mpi4py call, mcrdl_torch blocking call, raw mpi4py nonblocking call +
+    Wait, mcrdl_torch async + wait)} for every op of the issue list, float32 of
+    ``nbytes`` per rank's block, backend="mpi" (the same library underneath: the
+    difference is MCR-DL's own cost). An async call is set against the nonblocking
+    call a user of mpi4py would write for it (``Iallreduce(...).Wait()``), since the
+    library's nonblocking collectives cost more than its blocking ones."""
     c = max(nbytes // 4, 1)
     SUM, IN_PLACE = MPI.SUM, MPI.IN_PLACE
     a, b = np.ones(c, np.float32), np.ones(c * n, np.float32)
@@ -133,6 +138,12 @@ def op_paths(nbytes: int, n: int, rank: int) -> dict:
         else:
             COMM.Reduce(a, None, SUM, 0)
 
+    def raw_ireduce():
+        if rank == 0:
+            COMM.Ireduce(IN_PLACE, a, SUM, 0).Wait()
+        else:
+            COMM.Ireduce(a, None, SUM, 0).Wait()
+
     def raw_ring():
         MPI.Request.Waitall([COMM.Irecv(ra, prv, 7), COMM.Isend(sa, nxt, 7)])
 
@@ -140,37 +151,47 @@ def op_paths(nbytes: int, n: int, rank: int) -> dict:
         return lambda: _wait_all([dist.irecv(rt_, prv, tag=7, backend="mpi"),
                                   dist.isend(st_, nxt, tag=7, backend="mpi")])
 
-    def both(call):
-        return (lambda: call(False), lambda: call(True).wait())
+    def four(raw, iraw, call):
+        return (raw, lambda: call(False), iraw, lambda: call(True).wait())
 
+    vspec_in = [big_in, (counts, displs), MPI.FLOAT]
+    vspec_out = [big_out, (counts, displs), MPI.FLOAT]
     return {
-        "all_reduce": (lambda: COMM.Allreduce(IN_PLACE, a, SUM),
-                       *both(lambda x: dist.all_reduce(t, backend="mpi", async_op=x))),
-        "broadcast": (lambda: COMM.Bcast(a, 0),
-                      *both(lambda x: dist.broadcast(t, 0, backend="mpi", async_op=x))),
-        "reduce": (raw_reduce, *both(lambda x: dist.reduce(t, 0, backend="mpi", async_op=x))),
-        "all_gather_into_tensor": (lambda: COMM.Allgather(a, b), *both(
-            lambda x: dist.all_gather_into_tensor(tb, t, backend="mpi", async_op=x))),
-        "reduce_scatter_tensor": (lambda: COMM.Reduce_scatter_block(big_in, a, SUM), *both(
-            lambda x: dist.reduce_scatter_tensor(t, tin, backend="mpi", async_op=x))),
-        "all_to_all_single": (lambda: COMM.Alltoall(big_in, big_out), *both(
-            lambda x: dist.all_to_all_single(tout, tin, backend="mpi", async_op=x))),
-        "all_to_all_single (splits)": (
-            lambda: COMM.Alltoallv([big_in, (counts, displs), MPI.FLOAT],
-                                   [big_out, (counts, displs), MPI.FLOAT]),
-            *both(lambda x: dist.all_to_all_single(tout2, tin2, splits, splits, backend="mpi",
-                                                   async_op=x))),
-        "isend/irecv ring": (raw_ring, ring(True), ring(True)),
-        "barrier": (COMM.Barrier, *both(lambda x: dist.barrier(backend="mpi", async_op=x))),
+        "all_reduce": four(lambda: COMM.Allreduce(IN_PLACE, a, SUM),
+                           lambda: COMM.Iallreduce(IN_PLACE, a, SUM).Wait(),
+                           lambda x: dist.all_reduce(t, backend="mpi", async_op=x)),
+        "broadcast": four(lambda: COMM.Bcast(a, 0), lambda: COMM.Ibcast(a, 0).Wait(),
+                          lambda x: dist.broadcast(t, 0, backend="mpi", async_op=x)),
+        "reduce": four(raw_reduce, raw_ireduce,
+                       lambda x: dist.reduce(t, 0, backend="mpi", async_op=x)),
+        "all_gather_into_tensor": four(
+            lambda: COMM.Allgather(a, b), lambda: COMM.Iallgather(a, b).Wait(),
+            lambda x: dist.all_gather_into_tensor(tb, t, backend="mpi", async_op=x)),
+        "reduce_scatter_tensor": four(
+            lambda: COMM.Reduce_scatter_block(big_in, a, SUM),
+            lambda: COMM.Ireduce_scatter_block(big_in, a, SUM).Wait(),
+            lambda x: dist.reduce_scatter_tensor(t, tin, backend="mpi", async_op=x)),
+        "all_to_all_single": four(
+            lambda: COMM.Alltoall(big_in, big_out), lambda: COMM.Ialltoall(big_in, big_out).Wait(),
+            lambda x: dist.all_to_all_single(tout, tin, backend="mpi", async_op=x)),
+        "all_to_all_single (splits)": four(
+            lambda: COMM.Alltoallv(vspec_in, vspec_out),
+            lambda: COMM.Ialltoallv(vspec_in, vspec_out).Wait(),
+            lambda x: dist.all_to_all_single(tout2, tin2, splits, splits, backend="mpi",
+                                             async_op=x)),
+        "isend/irecv ring": (raw_ring, ring(True), raw_ring, ring(True)),
+        "barrier": four(COMM.Barrier, lambda: COMM.Ibarrier().Wait(),
+                        lambda x: dist.barrier(backend="mpi", async_op=x)),
     }
 
 
 def every_op(args, n: int) -> None:
-    """The per-op table: raw mpi4py, mcrdl_torch blocking, and async + wait, interleaved."""
+    """The per-op table, interleaved: raw mpi4py blocking against mcrdl_torch blocking,
+    raw mpi4py nonblocking + Wait against mcrdl_torch async + wait."""
     rank = dist.get_rank()
     for nbytes in (int(s) for s in args.sizes.split(",")):
         paths = op_paths(nbytes, n, rank)
-        fns = [f for trio in paths.values() for f in trio]
+        fns = [f for four in paths.values() for f in four]
         for fn in fns:
             for _ in range(5):
                 fn()
@@ -179,12 +200,13 @@ def every_op(args, n: int) -> None:
         if rank == 0:
             print(f"\n{nbytes} B float32 per rank, {n} ranks, {times.shape[1]} rounds, backend "
                   "'mpi', median per call (slowest rank), µs:")
-            print(f"{'op':28s} {'mpi4py':>8s} {'mcrdl':>8s} {'added':>8s} {'async':>8s} "
-                  f"{'added':>8s}")
+            print(f"{'':28s} {'blocking':>26s}   {'async + wait':>35s}")
+            print(f"{'op':28s} {'mpi4py':>8s} {'mcrdl':>8s} {'added':>8s}   {'mpi4py I*':>9s} "
+                  f"{'mcrdl':>8s} {'added':>8s} {'vs blk':>8s}")
             for j, op in enumerate(paths):
-                raw, ours, asy = med[3 * j:3 * j + 3]
-                print(f"{op:28s} {raw:8.2f} {ours:8.2f} {ours - raw:+8.2f} {asy:8.2f} "
-                      f"{asy - raw:+8.2f}", flush=True)
+                raw, ours, iraw, asy = med[4 * j:4 * j + 4]
+                print(f"{op:28s} {raw:8.2f} {ours:8.2f} {ours - raw:+8.2f}   {iraw:9.2f} "
+                      f"{asy:8.2f} {asy - iraw:+8.2f} {asy - raw:+8.2f}", flush=True)
 
 
 def main():

@@ -69,7 +69,7 @@ class Work:
         if self.done or self._completing:
             fn()
         else:
-            self.finalizers.append(fn)
+            self.finalizers = [*self.finalizers, fn]  # (a subclass may start with a tuple)
 
     def complete(self, error: BaseException | None = None) -> None:
         """Run the finalizers (copies back, casts, AVG's division), then mark the work

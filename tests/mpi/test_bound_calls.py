@@ -308,17 +308,19 @@ def test_async_waits_spin_in_the_compiled_module_while_all_in_flight_is_mpi(monk
     _bind_all()
     for _ in range(2):
         call("send_recv", 0, async_op=True)
-    real, spins = mpi_backend.fast_module().spin, []
+    real, spins = mpi_backend.fast_module().finish_alone, []
 
     class Counting:  # (an instance: a class attribute that does not bind as a method)
         def __call__(self, *args):
-            spins.append(args[0])
-            return real(*args)
+            done = real(*args)
+            if done is not False:  # True: it finished the work; None: it spun, not done
+                spins.append(args[0])
+            return done
 
     counting = Counting()
     # both: the class's (what waits call) and the module's (what a new bind installs)
-    monkeypatch.setattr(mpi_backend.mpi_fast, "spin", counting)
-    monkeypatch.setattr(mpi_backend._FastWork, "spin_c", counting)
+    monkeypatch.setattr(mpi_backend.mpi_fast, "finish_alone", counting)
+    monkeypatch.setattr(mpi_backend._FastWork, "finish_c", counting)
     for op in OPS:
         call(op, 5, async_op=True)
     pairs = 2 * (SIZE // 2)  # ranks with a send/recv partner: two waits each
