@@ -96,36 +96,26 @@ class _FastWork(MPIWork):
     """An MPIWork of the fast path (``MPIBackend.fast_work``): what is the same for all of
     them is set on the class instead of on each.
 
-    Its ``wait`` first hands itself to the compiled module (``finish_c``, set where the
-    module is in use), which, while every work in flight on this rank is MPI's and
-    nothing is deferred, spins on this request under the engine's ``poll_lock`` for at
-    most the engine's spin time and finishes the work if it completed. MPI's progress is
-    global, so testing this request drives the others too, and nothing of another
-    library waits to be polled meanwhile. A request not finished by then, a timeout
-    given, or anything else in flight goes to the engine's wait (its timeout and
-    diagnostics), as any Work."""
+    While the compiled module is in use its ``wait`` is the module's ``work_wait`` (set
+    by ``fast_blocking``): with no timeout given, while every work in flight on this
+    rank is MPI's and nothing is deferred, it spins on this request under the engine's
+    ``poll_lock`` for at most the engine's spin time and finishes the work if it
+    completed. MPI's progress is global, so testing this request drives the others
+    too, and nothing of another library waits to be polled meanwhile. A request not
+    finished by then, a timeout given, or anything else in flight goes to the engine's
+    wait (``MPIWork.wait``: its timeout and diagnostics), as any Work; that is also the
+    wait while the module is not in use."""
 
     backend, desc, status, error, value = "mpi", "", None, None, None
     # until set on the instance: not done, not registered, no finalizers (a tuple, which
     # ``add_finalizer`` replaces by a list)
     done, engine, finalizers = False, None, ()
-    #: ``mpi_fast.finish_alone`` while the compiled module is in use, else None
-    finish_c = None
 
     def poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
 
     def Test(self) -> bool:  # noqa: N802 (a request's name: the fast path polls either)
         return self.req.Test()
-
-    def wait(self, timeout=None) -> bool:
-        if timeout is None and self.finish_c is not None:
-            try:
-                if self.finish_c(self, _MPI_WORKS):
-                    return True
-            except BaseException as exc:  # a library error: the work fails with it
-                self.complete(exc)
-        return MPIWork.wait(self, timeout)  # the engine's wait (and a failure's error)
 
 
 class _FastRecvWork(_FastWork):
@@ -275,7 +265,7 @@ def compiled():
             _COMPILED.append((None, "built against another MPI library than mpi4py's: "
                                     "rebuild with python -m mcrdl_backends.build"))
         else:
-            mpi_fast.set_work_classes(_FastWork, _FastRecvWork)
+            mpi_fast.set_work_classes(_FastWork, _FastRecvWork, _MPI_WORKS, MPIWork.wait)
             _COMPILED.append((mpi_fast, "built"))
     return _COMPILED[0]
 
@@ -579,9 +569,9 @@ class MPIBackend(Backend):
         use (``fast_module``). The uneven all-to-all's returns, if unfinished, its
         request with the count arrays MPI reads until completion (``fast_request``
         keeps them with the request). Also sets how the fast path's Works wait
-        (``_FastWork.finish_c``): in the module where it is in use."""
+        (``_FastWork.wait``): in the module where it is in use."""
         c = fast_module()
-        _FastWork.finish_c = None if c is None else c.finish_alone
+        _FastWork.wait = MPIWork.wait if c is None else c.work_wait
         if c is None or (dtype is not None and dtype not in _TYPES):
             return None
         if red is not None and (dtype.is_half or red is ReduceOp.AVG):

@@ -78,8 +78,11 @@ static int poll(MPI_Request *req, double spin, MPI_Status *st, int *flag)
     return rc;
 }
 
-/* The classes of the Works made here (set_work_classes), and names set on them. */
+/* The classes of the Works made here, the set of the MPI Work classes and the Python
+ * wait (set_work_classes), names set on the Works, and the count ``spins`` returns. */
 static PyTypeObject *work_cls, *recv_work_cls;
+static PyObject *work_types, *slow_wait;
+static unsigned long long spins;
 static PyObject *s_req, *s_status, *s_counts, *s_empty;
 
 /* The Work of the unfinished ``req``: an instance of ``cls`` made as ``cls.__new__(cls)``
@@ -116,16 +119,24 @@ static PyObject *finish(MPI_Request req, double spin)
     return new_work(work_cls, req, NULL, NULL);
 }
 
-/* set_work_classes(work, recv_work): the classes of the Works the calls return */
+/* set_work_classes(work, recv_work, mpi_work_types, slow_wait): the classes of the Works
+ * the calls return; those ``work_wait`` spins for while all in flight are of them (a
+ * frozenset); the wait it leaves the rest to. */
 static PyObject *set_work_classes(PyObject *self, PyObject *args)
 {
     PyTypeObject *w, *r;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &w, &PyType_Type, &r))
+    PyObject *types, *slow;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyType_Type, &w, &PyType_Type, &r,
+                          &PyFrozenSet_Type, &types, &slow))
         return NULL;
     Py_INCREF(w);
     Py_INCREF(r);
+    Py_INCREF(types);
+    Py_INCREF(slow);
     Py_XSETREF(work_cls, w);
     Py_XSETREF(recv_work_cls, r);
+    Py_XSETREF(work_types, types);
+    Py_XSETREF(slow_wait, slow);
     Py_RETURN_NONE;
 }
 
@@ -428,32 +439,7 @@ static PyObject *barrier(PyObject *self, PyObject *args)
     return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
 }
 
-/* spin(request, spin[, status]): test an mpi4py Request for at most ``spin`` seconds (at
- * least once), as the calls above test their own: True if it completed. The request is
- * tested in place, so the Request object sees it completed (MPI_REQUEST_NULL) and a
- * receive's mpi4py Status, if given, holds its source. The wait of an async call's Work
- * (MPI's progress is global: testing one request also drives the others in flight). */
-static PyObject *spin_request(PyObject *self, PyObject *args)
-{
-    PyObject *r, *s = Py_None;
-    double spin;
-    MPI_Request *req;
-    MPI_Status *st = MPI_STATUS_IGNORE;
-    int flag, rc;
-    if (!PyArg_ParseTuple(args, "Od|O", &r, &spin, &s))
-        return NULL;
-    req = PyMPIRequest_Get(r);
-    if (req == NULL)
-        return NULL;
-    if (s != Py_None && (st = PyMPIStatus_Get(s)) == NULL)
-        return NULL;
-    rc = poll(req, spin < 0 ? 0 : spin, st, &flag);
-    if (rc != MPI_SUCCESS)
-        return fail(rc);
-    return PyBool_FromLong(flag);
-}
-
-/* Names finish_alone reads and writes, interned once (at import). */
+/* Names the wait reads and writes, interned once (at import). */
 static PyObject *s_done, *s_error, *s_engine, *s_pending, *s_inflight, *s_poll_lock, *s_spin_s,
     *s_finalizers, *s_keep, *s_complete, *s_acquire, *s_release;
 
@@ -558,32 +544,29 @@ release:
     return out;
 }
 
-/* finish_alone(work, mpi_work_types): the first step of an async fast-path Work's wait.
- * True if the work is done: already (without an error), or now: its request completed
- * within the engine's spin, tested under the engine's poll_lock while every work in
- * flight is of ``mpi_work_types`` and nothing is deferred. None if it spun that long
- * and the request is not done; False if it did not try (an error to raise, no engine,
- * deferred work, another library's work in flight, the lock busy). The caller's wait
- * runs unless True. Finishing is Work.complete where the work has finalizers, else its
- * three effects, done here. An MPI error raises MPIError (the caller fails the work). */
-static PyObject *finish_alone(PyObject *self, PyObject *args)
+/* The first step of an async fast-path Work's wait: 1 if the work is done, already
+ * (without an error) or now: its request completed within the engine's spin, tested
+ * under the engine's poll_lock while every work in flight is of ``types`` and nothing
+ * is deferred. 2 if it spun that long and the request is not done; 0 if it did not try
+ * (an error to raise, no engine, deferred work, another library's work in flight, the
+ * lock busy); -1 on an error (raised: an MPI error is MPIError). Finishing is
+ * Work.complete where the work has finalizers, else its three effects, done here. */
+static int finish_core(PyObject *w, PyObject *types)
 {
-    PyObject *w, *types, *eng, *inflight = NULL, *o;
+    PyObject *eng, *inflight = NULL, *o;
     int t, out = -1;
     Py_ssize_t i;
-    if (!PyArg_ParseTuple(args, "OO!", &w, &PyFrozenSet_Type, &types))
-        return NULL;
     if ((t = attr_true(w, s_done)) < 0)
-        return NULL;
+        return -1;
     if (t) {
         if ((o = PyObject_GetAttr(w, s_error)) == NULL)
-            return NULL;
+            return -1;
         t = o == Py_None;
         Py_DECREF(o);
-        return PyBool_FromLong(t);
+        return t;
     }
     if ((eng = PyObject_GetAttr(w, s_engine)) == NULL)
-        return NULL;
+        return -1;
     if (eng == Py_None) {
         out = 0;
         goto end;
@@ -607,15 +590,65 @@ static PyObject *finish_alone(PyObject *self, PyObject *args)
         }
     }
     out = spin_and_finish(w, eng, inflight);
+    if (out == 1 || out == 2)
+        spins++;
 end:
     Py_XDECREF(inflight);
     Py_DECREF(eng);
-    if (out < 0)
-        return NULL;
-    if (out == 2)
-        Py_RETURN_NONE;
-    return PyBool_FromLong(out);
+    return out;
 }
+
+/* The wait of the fast path's Works while this module is in use (``work_wait``, an
+ * instance method: ``work.wait(timeout=None)``): ``finish_core`` where no timeout is
+ * given, True if that finished the work; else, or after failing the work with an error
+ * raised there (``work.complete(error)``), the Python wait ``set_work_classes`` named
+ * (the engine's: its timeout, diagnostics, and the work's error raised). */
+static PyObject *work_wait(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"work", "timeout", NULL};
+    PyObject *w, *timeout = Py_None, *et, *ev, *tb, *r;
+    int out;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:wait", names, &w, &timeout))
+        return NULL;
+    if (timeout == Py_None && work_types != NULL) {
+        out = finish_core(w, work_types);
+        if (out == 1)
+            Py_RETURN_TRUE;
+        if (out < 0) { /* a library error: the work fails with it */
+            PyErr_Fetch(&et, &ev, &tb);
+            PyErr_NormalizeException(&et, &ev, &tb);
+            if (ev == NULL) {
+                Py_XDECREF(et);
+                Py_XDECREF(tb);
+                return NULL;
+            }
+            if (tb != NULL)
+                PyException_SetTraceback(ev, tb);
+            r = PyObject_CallMethodOneArg(w, s_complete, ev);
+            Py_XDECREF(et);
+            Py_DECREF(ev);
+            Py_XDECREF(tb);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+        }
+    }
+    if (slow_wait == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "mpi_fast: call set_work_classes first");
+        return NULL;
+    }
+    return PyObject_CallFunctionObjArgs(slow_wait, w, timeout, NULL);
+}
+
+/* spins(): how many waits spun in this module (a count for tests) */
+static PyObject *spin_count(PyObject *self, PyObject *args)
+{
+    return PyLong_FromUnsignedLongLong(spins);
+}
+
+static PyMethodDef work_wait_def = {"wait", (PyCFunction)(void (*)(void))work_wait,
+                                    METH_VARARGS | METH_KEYWORDS,
+                                    "wait(timeout=None): the fast path's Work wait"};
 
 /* library_version(): MPI_Get_library_version of the library this module is linked to */
 static PyObject *library_version(PyObject *self, PyObject *args)
@@ -651,9 +684,9 @@ static PyMethodDef methods[] = {
     {"send", send, METH_VARARGS, "send(comm, dtype, spin, ptr, count, peer, tag)"},
     {"recv", recv, METH_VARARGS, "recv(comm, dtype, spin, ptr, count, peer, tag)"},
     {"barrier", barrier, METH_VARARGS, "barrier(comm, spin)"},
-    {"spin", spin_request, METH_VARARGS, "spin(request, spin[, status])"},
-    {"finish_alone", finish_alone, METH_VARARGS, "finish_alone(work, mpi_work_types)"},
-    {"set_work_classes", set_work_classes, METH_VARARGS, "set_work_classes(work, recv_work)"},
+    {"set_work_classes", set_work_classes, METH_VARARGS,
+     "set_work_classes(work, recv_work, mpi_work_types, slow_wait)"},
+    {"spins", spin_count, METH_NOARGS, "spins()"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -691,6 +724,15 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
 #undef INTERN
     if ((s_empty = PyTuple_New(0)) == NULL)
         return NULL;
+    {
+        PyObject *f = PyCFunction_New(&work_wait_def, NULL), *meth;
+        if (f == NULL)
+            return NULL;
+        meth = PyInstanceMethod_New(f); /* binds the Work as the first argument */
+        Py_DECREF(f);
+        if (meth == NULL || PyModule_AddObject(m, "work_wait", meth) < 0)
+            return NULL;
+    }
     MPIError = PyErr_NewException("mpi_fast.MPIError", PyExc_RuntimeError, NULL);
     if (MPIError == NULL || PyModule_AddObject(m, "MPIError", MPIError) < 0)
         return NULL;

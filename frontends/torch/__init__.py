@@ -130,28 +130,20 @@ def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
     return general(_b(tensor), peer, group, tag, async_op, backend)
 
 
-def _send(tensor, dst, group, tag, async_op, backend):
-    return _p2p(_fp.send, _core.send, _K_SEND, tensor, dst, group, tag, async_op, backend)
-
-
-def _recv(tensor, src, group, tag, async_op, backend):
-    return _p2p(_fp.recv, _core.recv, _K_RECV, tensor, src, group, tag, async_op, backend)
-
-
 def send(tensor, dst: int, group=None, tag: int = 0, backend=None) -> None:
-    _send(tensor, dst, group, tag, False, backend)
+    _p2p(_fp.send, _core.send, _K_SEND, tensor, dst, group, tag, False, backend)
 
 
 def recv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None) -> int:
-    return _recv(tensor, src, group, tag, False, backend)
+    return _p2p(_fp.recv, _core.recv, _K_RECV, tensor, src, group, tag, False, backend)
 
 
 def isend(tensor, dst: int, group=None, tag: int = 0, backend=None) -> Work:
-    return _send(tensor, dst, group, tag, True, backend)
+    return _p2p(_fp.send, _core.send, _K_SEND, tensor, dst, group, tag, True, backend)
 
 
 def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None) -> Work:
-    return _recv(tensor, src, group, tag, True, backend)
+    return _p2p(_fp.recv, _core.recv, _K_RECV, tensor, src, group, tag, True, backend)
 
 
 # --- collectives ---------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def test_async_bound_calls_in_flight_together_are_ordered_by_memory():
     assert not mcrdl_core.get_runtime().engine.inflight
 
 
-def test_async_waits_spin_in_the_compiled_module_while_all_in_flight_is_mpi(monkeypatch):
+def test_async_waits_spin_in_the_compiled_module_while_all_in_flight_is_mpi():
     """The wait of a fast-path Work spins on its request in the compiled module while
     everything in flight is MPI's (one async collective; a send and a receive in flight
     together, the receive's source read from the status the module filled), and leaves
@@ -308,33 +308,64 @@ def test_async_waits_spin_in_the_compiled_module_while_all_in_flight_is_mpi(monk
     _bind_all()
     for _ in range(2):
         call("send_recv", 0, async_op=True)
-    real, spins = mpi_backend.fast_module().finish_alone, []
-
-    class Counting:  # (an instance: a class attribute that does not bind as a method)
-        def __call__(self, *args):
-            done = real(*args)
-            if done is not False:  # True: it finished the work; None: it spun, not done
-                spins.append(args[0])
-            return done
-
-    counting = Counting()
-    # both: the class's (what waits call) and the module's (what a new bind installs)
-    monkeypatch.setattr(mpi_backend.mpi_fast, "finish_alone", counting)
-    monkeypatch.setattr(mpi_backend._FastWork, "finish_c", counting)
+    spins = mpi_backend.fast_module().spins  # how many waits spun in the module
+    before = spins()
     for op in OPS:
         call(op, 5, async_op=True)
     pairs = 2 * (SIZE // 2)  # ranks with a send/recv partner: two waits each
-    assert len(spins) >= len(OPS) - 1 + (2 if RANK < pairs else 0), spins
-    spins.clear()
+    assert spins() - before >= len(OPS) - 1 + (2 if RANK < pairs else 0)
+    before = spins()
     g, t = values(RANK, 3, F, 7), values(RANK, 3, F, 8)
     wg = dist.all_reduce(g, dist.ReduceOp.MAX, async_op=True, backend="gloo")
     wm = dist.broadcast(t, SIZE - 1, async_op=True, backend="mpi")
     wm.wait()
     wg.wait()
-    assert spins == []
+    assert spins() == before
     np.testing.assert_array_equal(g.numpy(), stack(range(SIZE), 3, 7).max(0))
     np.testing.assert_array_equal(t.numpy(), values(SIZE - 1, 3, F, 8).numpy())
     assert not mcrdl_core.get_runtime().engine.inflight
+
+
+def test_the_compiled_wait_with_a_timeout_and_when_it_fails():
+    """A fast-path Work's compiled wait: with a timeout (seconds, positional or keyword,
+    or a timedelta, as torch passes it) it leaves the wait to the engine, which
+    completes it; an error raised inside it (here: by the engine's state it reads) fails
+    the work, and the wait raises it as a library failure that breaks the work's group,
+    on every rank, while the call itself still completes underneath."""
+    import datetime
+
+    from mcrdl_backends import mpi as mpi_backend
+    from mcrdl_core.base.errors import CommFailedError
+    g = dist.new_group(list(range(SIZE)))
+    t = values(RANK, 3, F, 4)
+    want = stack(range(SIZE), 3, 4).sum(0)
+    for _ in range(2):  # fill the memo, bind
+        dist.all_reduce(values(RANK, 3, F, 4), group=g, backend="mpi", async_op=True).wait()
+    for how in ({"timeout": 30.0}, {"timeout": datetime.timedelta(seconds=30)}, 30):
+        t = values(RANK, 3, F, 4)
+        w = dist.all_reduce(t, group=g, backend="mpi", async_op=True)
+        assert type(w) is mpi_backend._FastWork
+        assert (w.wait(**how) if isinstance(how, dict) else w.wait(how)) is True
+        np.testing.assert_allclose(t.numpy(), want)
+    t = values(RANK, 3, F, 4)
+    w = dist.all_reduce(t, group=g, backend="mpi", async_op=True)
+    engine = w.engine
+
+    class Failing:  # an engine whose state cannot be read
+        @property
+        def pending(self):
+            raise RuntimeError("state unreadable (the test's)")
+
+        def discard(self, work):
+            engine.discard(work)
+
+    w.engine = Failing()
+    with pytest.raises(CommFailedError, match="state unreadable") as err:
+        w.wait()
+    assert w.done and w.error is err.value and g.broken is not None
+    w.req.Wait()  # the collective itself, still running underneath
+    np.testing.assert_allclose(t.numpy(), want)
+    assert w not in engine.inflight
 
 
 def test_a_broken_group_refuses_a_bound_key_on_every_rank():
