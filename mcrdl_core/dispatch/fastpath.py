@@ -89,11 +89,13 @@ def compression_env() -> bool:
     return bool(_ENV.get(_COMPRESSION))
 
 
-def _table_decides(rt, backend, g) -> bool:
-    """Whether a tuning table chooses this call's backend, by size (auto, no group
-    default): such a call's memo keys carry its size, and its frontend key is never
-    bound. Inlined, with this name beside it, in the two entries that run per call."""
-    return rt.table is not None and backend in (None, "auto") and g.backend is None
+def _table_decides(rt, op, backend, g) -> bool:
+    """Whether a tuning table chooses this call's backend, by size (no backend named by
+    the call, the group's default or MCRDL_BACKEND for ``op``: ``Runtime.named_backend``):
+    such a call's memo keys carry its size, and its frontend key is never bound.
+    Inlined, with this name beside it, in the two entries that run per call."""
+    return (rt.table is not None and backend in (None, "auto") and g.backend is None
+            and not (rt.override and rt.named_backend(op, g, backend)))
 
 
 _TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime.choices``
@@ -150,7 +152,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     if rt.observed or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
         return MISS
     g = rt.group(group)  # liveness and broken-group checks, every call
-    if rt.table is not None and backend in (None, "auto") and g.backend is None:  # _table_decides
+    if (rt.table is not None and backend in (None, "auto") and g.backend is None  # _table_decides
+            and not (rt.override and rt.named_backend(Op.ALL_REDUCE, g, backend))):
         key = (_TAG, g, dtype, backend, op, count * dtype.itemsize)
     else:
         key = (_TAG, g, dtype, backend, op)
@@ -165,7 +168,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         plan = choice[key] = _plan(rt, g, buf, backend, op)
     be, issue, _, blocking = plan
     if bind is not None and bind not in rt.choices:
-        _bind(rt, bind, plan, g, backend, (op,), _bind_in_place, Op.ALL_REDUCE,
+        _bind(rt, bind, plan, Op.ALL_REDUCE, g, backend, (op,), _bind_in_place, Op.ALL_REDUCE,
               dtype.itemsize, True, async_op)
     eng = rt.engine
     if issue is None or eng.inflight or eng.pending:
@@ -259,8 +262,9 @@ def _plan_op(rt, op, g, buf, backend, red=None, root=None, nbytes=-1):
 def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
     """The memoized plan of a key, made from ``buf`` on its first call (None without
     ``buf``: the caller's general path makes it). Keys carry the size only where a
-    tuning table decides (as ``Runtime.select`` does)."""
-    if rt.table is not None and backend in (None, "auto") and g.backend is None:  # _table_decides
+    tuning table decides (as ``Runtime.select`` does). ``plan_args`` starts with the op."""
+    if (rt.table is not None and backend in (None, "auto") and g.backend is None  # _table_decides
+            and not (rt.override and rt.named_backend(plan_args[0], g, backend))):
         key = (tag, g, dtype, backend, extra, nbytes)
     else:
         key = (tag, g, dtype, backend, extra)
@@ -359,7 +363,7 @@ def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and bind not in rt.choices:
-        _bind(rt, bind, plan, g, backend, (red, root), _bind_in_place, op, dtype.itemsize,
+        _bind(rt, bind, plan, op, g, backend, (red, root), _bind_in_place, op, dtype.itemsize,
               False, async_op)
     return _run(rt, plan, op, g, (ptr, count), (owner,), async_op, nbytes, 0, 0,
                 ptr, ptr + nbytes)
@@ -400,7 +404,7 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and bind not in rt.choices:
-        _bind(rt, bind, plan, g, backend, (red,), _bind_blocks, op, dtype.itemsize, gathers,
+        _bind(rt, bind, plan, op, g, backend, (red,), _bind_blocks, op, dtype.itemsize, gathers,
               async_op)
     args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
     if gathers:  # reads the small block, writes the big one
@@ -448,7 +452,8 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
         if plan is None or plan[1] is None:
             return MISS
         if bind is not None and bind not in rt.choices:
-            _bind(rt, bind, plan, g, backend, (), _bind_all_to_all, isz, async_op)
+            _bind(rt, bind, plan, Op.ALL_TO_ALL, g, backend, (), _bind_all_to_all, isz,
+                  async_op)
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
     # under a table the key carries no size (None): the table's largest range decides,
@@ -458,7 +463,8 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and bind not in rt.choices:
-        _bind(rt, bind, plan, g, backend, (), _bind_all_to_all_v, isz, async_op)
+        _bind(rt, bind, plan, Op.ALL_TO_ALL, g, backend, (), _bind_all_to_all_v, isz,
+              async_op)
     # the issuer judges the splits (False, nothing sent, where they do not fit: MISS)
     return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, out_count, out_rows, in_ptr, in_count,
                                              in_rows, out_splits or None, in_splits or None),
@@ -478,8 +484,8 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and bind not in rt.choices:
-        _bind(rt, bind, plan, g, backend, (dst,), _bind_p2p, Op.SEND, dtype.itemsize, peer,
-              async_op)
+        _bind(rt, bind, plan, Op.SEND, g, backend, (dst,), _bind_p2p, Op.SEND, dtype.itemsize,
+              peer, async_op)
     return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
@@ -497,8 +503,8 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
     if plan is None or plan[1] is None:
         return MISS
     if bind is not None and bind not in rt.choices:
-        _bind(rt, bind, plan, g, backend, (src,), _bind_p2p, Op.RECV, dtype.itemsize, peer,
-              async_op)
+        _bind(rt, bind, plan, Op.RECV, g, backend, (src,), _bind_p2p, Op.RECV, dtype.itemsize,
+              peer, async_op)
     done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
@@ -544,7 +550,7 @@ def barrier(rt, group, async_op, backend, probe):
 _KEYABLE = (int, str, ReduceOp, type(None))
 
 
-def _bind(rt, bind, plan, g, backend, args, make, *make_args) -> None:
+def _bind(rt, bind, plan, op, g, backend, args, make, *make_args) -> None:
     """Store under the frontend's key ``bind`` the closure ``make(rt, g, plan,
     *make_args)`` where the key may be bound (a compiled issuer, no table deciding by
     size), else None, so that the entries ask once per key. Nothing is stored where a
@@ -553,7 +559,7 @@ def _bind(rt, bind, plan, g, backend, args, make, *make_args) -> None:
     identity, and would add a key on every call)."""
     if all(a.__class__ in _KEYABLE for a in args):
         rt.choices[bind] = (make(rt, g, plan, *make_args)
-                            if plan[3] is not None and not _table_decides(rt, backend, g)
+                            if plan[3] is not None and not _table_decides(rt, op, backend, g)
                             else None)
 
 

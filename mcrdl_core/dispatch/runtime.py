@@ -176,7 +176,8 @@ class Runtime:
         if backend is None:
             backend = group.backend  # new_group(..., backend=) / init(backend=) default
         device, dtype = buf.device, buf.dtype
-        explicit = backend not in (None, "auto")
+        explicit = backend not in (None, "auto") or bool(
+            self.override and self.named_backend(op, group, backend))
         # memo: explicit and policy choices by (backend, op, device, dtype, reduce op);
         # table choices also by group (its size and hosts) and message size (bounded)
         key = (backend, op, device.kind, dtype, reduce_op)

@@ -400,7 +400,8 @@ def test_dropping_the_plans_drops_the_closures_and_odd_keys_are_not_bound():
 def test_keys_a_table_decides_by_size_are_not_bound():
     """auto under a tuning table: the memoized entry serves the calls (its plans are per
     size), the frontend key holds None (asked once), and the results stay right; an
-    explicit backend under the same table is bound."""
+    explicit backend under the same table is bound, and so is an op MCRDL_BACKEND
+    names."""
     from mcrdl_core.dispatch.selection import SCHEMA, TuningTable
     rt = mcrdl_core.get_runtime()
     old = rt.table
@@ -433,7 +434,23 @@ def test_keys_a_table_decides_by_size_are_not_bound():
         for salt in range(3):
             call("broadcast", salt)
         assert "bound:torch.broadcast" in bound()
+        # MCRDL_BACKEND naming the op's backend decides instead of the table: bound
+        # again, the other ops still by size
+        rt.set_override("all_reduce=mpi")
+        for salt in range(3):
+            t = values(RANK, 3, F, salt)
+            dist.all_reduce(t, dist.ReduceOp.MAX)
+            np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, salt).max(0))
+            b = values(RANK, 3, F, salt)
+            dist.broadcast(b, SIZE - 1)
+        keys = {k[0]: v for k, v in rt.choices.items()
+                if isinstance(k[0], str) and k[0].startswith("bound:")}
+        assert keys["bound:torch.all_reduce"] is not None
+        assert keys["bound:torch.broadcast"] is None
+        sized = [k for k in rt.choices if k[0] == "fast:all_reduce"]
+        assert sized and all(len(k) == 5 for k in sized), sized  # no size in the key
     finally:
+        rt.set_override(None)
         rt.set_table(old)
 
 
