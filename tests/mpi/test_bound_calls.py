@@ -411,14 +411,18 @@ def test_keys_a_table_decides_by_size_are_not_bound():
         for op in ("all_reduce", "broadcast", "all_gather", "all_to_all")]}, "<test>"))
     out_splits = [s + 1 + RANK for s in range(SIZE)]  # rank s sends rank r s + 1 + r rows
     in_splits = [RANK + 1 + d for d in range(SIZE)]
+
+    def max_and_broadcast(salt):  # auto: no backend named
+        t = values(RANK, 3, F, salt)
+        dist.all_reduce(t, dist.ReduceOp.MAX)
+        np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, salt).max(0))
+        b = values(RANK, 3, F, salt)
+        dist.broadcast(b, SIZE - 1)
+        np.testing.assert_array_equal(b.numpy(), values(SIZE - 1, 3, F, salt).numpy())
+
     try:
         for salt in range(3):
-            t = values(RANK, 3, F, salt)
-            dist.all_reduce(t, dist.ReduceOp.MAX)
-            np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, salt).max(0))
-            b = values(RANK, 3, F, salt)
-            dist.broadcast(b, SIZE - 1)
-            np.testing.assert_array_equal(b.numpy(), values(SIZE - 1, 3, F, salt).numpy())
+            max_and_broadcast(salt)
             x = torch.cat([values(RANK, k, F, salt + d) for d, k in enumerate(in_splits)])
             y = torch.empty(sum(out_splits), dtype=F)
             dist.all_to_all_single(y, x, out_splits, in_splits)
@@ -438,11 +442,7 @@ def test_keys_a_table_decides_by_size_are_not_bound():
         # again, the other ops still by size
         rt.set_override("all_reduce=mpi")
         for salt in range(3):
-            t = values(RANK, 3, F, salt)
-            dist.all_reduce(t, dist.ReduceOp.MAX)
-            np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, salt).max(0))
-            b = values(RANK, 3, F, salt)
-            dist.broadcast(b, SIZE - 1)
+            max_and_broadcast(salt)
         keys = {k[0]: v for k, v in rt.choices.items()
                 if isinstance(k[0], str) and k[0].startswith("bound:")}
         assert keys["bound:torch.all_reduce"] is not None
