@@ -1,5 +1,6 @@
-"""The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py) on torch's Gloo and on
-MCR-DL's registered backend, one host, samples per second and communication share.
+"""The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py; and DeepSpeed's MoE layer,
+bench/apps/ds_moe.py, with ``--apps ds_moe``) on torch's Gloo and on MCR-DL's registered
+backend, samples per second and communication share.
 
     .venv/bin/python bench/apps/table.py --ranks 2 3 [--steps 15] [--repeats 3] [--tune]
     sudo .venv/bin/python bench/apps/table.py --ranks 4 --cluster 1gbit --hosts 2 --tune
@@ -77,11 +78,14 @@ def variants(codecs: str) -> list:
 #: and narrow experts. ``comm-cap``: the same, MoE with a fixed expert capacity of 1.25
 #: (DeepSpeed's and GShard's layer, Switch Transformer's training factor): even
 #: all-to-alls, padded, no rank waiting for the busiest expert.
+#: DeepSpeed's MoE layer (``ds_moe``, ``pip install deepspeed``; not in the default
+#: ``--apps``) always runs at a fixed capacity (its default 1.25), in MoE's shapes.
 _COMM = {"dlrm": ["--tables", "26", "--bag", "1", "--bottom", "64", "--top", "64"],
-         "moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"]}
-SHAPES = {"default": {"dlrm": [], "moe": []},
+         "moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"],
+         "ds_moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"]}
+SHAPES = {"default": {"dlrm": [], "moe": [], "ds_moe": []},
           "comm": _COMM,
-          "comm-cap": {"dlrm": _COMM["dlrm"], "moe": _COMM["moe"] + ["--capacity-factor", "1.25"]}}
+          "comm-cap": {**_COMM, "moe": _COMM["moe"] + ["--capacity-factor", "1.25"]}}
 
 #: the single libraries: "best single library" is the fastest of these (median samples/s)
 SINGLE = ("gloo (torch)", "mcrdl: mpi", "mcrdl: gloo")
@@ -161,7 +165,9 @@ ALL = [(None, 1, [2, 3]), ("1gbit", 2, [4]), ("1gbit", 4, [4]), ("10gbit", 2, [4
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
-    p.add_argument("--apps", nargs="+", default=["dlrm", "moe"])
+    p.add_argument("--apps", nargs="+", default=["dlrm", "moe"],
+                   choices=["dlrm", "moe", "ds_moe"],
+                   help="ds_moe: DeepSpeed's MoE layer, unchanged (needs deepspeed)")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tune", action="store_true", help="measure the tuning table first")
