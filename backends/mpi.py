@@ -566,9 +566,9 @@ class MPIBackend(Backend):
         the same nonblocking MPI call and polls it for at most ``spin_s`` seconds;
         it returns None if it completed (a receive: the source's group rank), else what
         ``fast_request`` turns into the pending request. None where the module is not in
-        use (``fast_module``). The uneven all-to-all's returns, if unfinished, its
-        request with the count arrays MPI reads until completion (``fast_request``
-        keeps them with the request). Also sets how the fast path's Works wait
+        use (``fast_module``). What it returns unfinished is already the call's Work
+        (the uneven all-to-all's holds the count arrays MPI reads until completion, as
+        ``counts``). Also sets how the fast path's Works wait
         (``_FastWork.wait``): in the module where it is in use."""
         c = fast_module()
         _FastWork.wait = MPIWork.wait if c is None else c.work_wait

@@ -153,10 +153,13 @@ class Backend:
         raise NotImplementedError
 
     def fast_work(self, op, group, req, spans, keep):
-        """The Work of a request an issuer made (``spans``: the memory it reads and
-        writes; ``keep``: what keeps that memory alive). Needed with ``fast_issuer``.
-        A receive's Work tells its sender: ``source()``, its rank in ``group``, and once
-        complete ``value``, its global rank (what ``Work.result()`` returns)."""
+        """The Work, not yet registered with the engine, of a request an issuer made
+        (``spans``: the memory it reads and writes; ``keep``: what keeps that memory
+        alive). Needed with ``fast_issuer``. A request is whatever the issuer returns
+        that ``Test()`` polls (a receive's also tells ``source()``); it may be the
+        Work already (the MPI backend's compiled issuers make it), which this then
+        completes. A receive's Work tells its sender: ``source()``, its rank in
+        ``group``, and once complete ``value``, its global rank (``Work.result()``)."""
         raise NotImplementedError
 
     def work_of(self, op, group, req, ptr, nbytes, owner):
