@@ -114,8 +114,7 @@ class _FastWork(MPIWork):
     def poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
 
-    def Test(self) -> bool:  # noqa: N802 (a request's name: the fast path polls either)
-        return self.req.Test()
+    Test = poll  # a request's name: the fast path polls either
 
 
 class _FastRecvWork(_FastWork):
@@ -126,8 +125,7 @@ class _FastRecvWork(_FastWork):
     def poll(self) -> bool:
         return self.req.Test(self.status)
 
-    def Test(self) -> bool:  # noqa: N802
-        return self.req.Test(self.status)
+    Test = poll
 
     def source(self) -> int:
         return self.status.Get_source()
