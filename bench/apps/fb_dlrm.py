@@ -9,15 +9,17 @@ the registered "mcrdl" backend: the apps table's variants for a client we do not
 Each variant runs under ``python -m mcrdl_torch.run``, which sets torch's rendezvous
 variables from MPI (the program would otherwise point every host at 127.0.0.1; Gloo's
 baseline needs them as much). The program picks its backend with ``--dist-backend`` and
-calls ``init_process_group`` itself, so the forced variants name their library with ``MCRDL_BACKEND`` instead of
-``pg_options``; the tuned ones load the table (``MCRDL_TUNING_TABLE``), the last one
-also allows the codecs on the all-to-alls (``MCRDL_COMPRESSION``), as in
-``bench/apps/table.py``. Random data in a Criteo-like shape (26 tables of 64-wide
-embeddings, one index per lookup, 13 dense features), ``--batches`` global
-mini-batches of ``--batch``; samples/s from the program's own ms/it after its first
-print interval (warm-up), the median of ``--repeats`` rotated runs. Each run's last
-printed loss is reported against forced MPI's (the same seeds everywhere). The
-communication share is not measured: the program is not instrumented.
+calls ``init_process_group`` itself, so the forced variants name their library with
+``MCRDL_BACKEND`` instead of ``pg_options``; the tuned ones load the table
+(``MCRDL_TUNING_TABLE``), the last one also allows the codecs on the all-to-alls
+(``MCRDL_COMPRESSION``), as in ``bench/apps/table.py``. Random data in a Criteo-like
+shape (26 tables of 64-wide embeddings, one index per lookup, 13 dense features),
+``--batches`` global mini-batches of ``--batch``, drawn through ``fb_dlrm_data.py``:
+the program's own numbers, made by whole arrays, since its per-sample loops took the
+CPU from the other ranks' steps. Samples/s come from the program's own ms/it after
+its first print interval (warm-up), the median of ``--repeats`` rotated runs. Each
+run's last printed loss is reported against forced MPI's (the same seeds everywhere).
+The communication share is not measured: the program is not instrumented.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from table import _env, launcher, variants  # (this folder is on sys.path: run as a script)
 
+HERE = Path(__file__).resolve().parent
 LINE = re.compile(r"Finished training it (\d+)/\d+ of epoch \d+, ([\d.]+) ms/it, loss ([\d.]+)")
 
 
@@ -48,7 +51,8 @@ def launch(a, variant) -> dict:
     env = _env(a.table if tuned else None, {**extra, **({"MCRDL_BACKEND": options}
                                                         if options else {})})
     cmd = launcher(a.ranks, a.cluster, a.hosts) + [
-        sys.executable, "-m", "mcrdl_torch.run", str(Path(a.dlrm) / "dlrm_s_pytorch.py"),
+        sys.executable, "-m", "mcrdl_torch.run", str(HERE / "fb_dlrm_data.py"),
+        str(Path(a.dlrm) / "dlrm_s_pytorch.py"),
         f"--dist-backend={backend}"] + args_of(a)
     proc = subprocess.run(cmd, env=env, cwd=a.dlrm, capture_output=True, text=True,
                           timeout=900)
