@@ -11,12 +11,13 @@ times it prints swung 285-428 ms/it within one run while each iteration took 2.3
 wall time.
 
 What changes: only ``dlrm_data_pytorch.generate_dist_input_batch``, and only for the
-case the apps runs use (uniform indices, a fixed number of 1 per lookup). There it
-draws ``rand(n, m_den)`` for the dense features and then, per table, ``random(n)``:
-NumPy's legacy generator yields the same doubles for one ``random(n)`` as for ``n``
-calls of ``random(1)``, so the batches, and every later draw, equal the original's
-bit for bit (``np.unique`` of one index is that index; offsets are 0..n-1). Any other
-case runs the program's own function. Training, communication and timing are the
+case the apps runs use (uniform indices, a fixed number of 1 per lookup, a batch of at
+least one sample). There it draws ``rand(n, m_den)`` for the dense features and then,
+per table, ``random(n)``: NumPy's legacy generator yields the same doubles for one
+``random(n)`` as for ``n`` calls of ``random(1)``, so the batches, and every later
+draw, equal the original's bit for bit (``np.unique`` of one index is that index;
+offsets are 0..n-1; tests/test_fb_dlrm_data.py). Any other case runs the program's
+own function. Training, communication and timing are the
 program's, unchanged.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def patch(dp) -> None:
     def generate(m_den, ln_emb, n, num_indices_per_lookup, num_indices_per_lookup_fixed,
                  rand_data_dist, *rest, **kw):
         if not (num_indices_per_lookup_fixed and num_indices_per_lookup == 1
-                and rand_data_dist == "uniform"):
+                and rand_data_dist == "uniform" and n > 0):
             return original(m_den, ln_emb, n, num_indices_per_lookup,
                             num_indices_per_lookup_fixed, rand_data_dist, *rest, **kw)
         dense = torch.tensor(ra.rand(n, m_den).astype(np.float32))
