@@ -1,6 +1,7 @@
 """bench/apps/fb_dlrm_data.py: its whole-array draws must give facebookresearch/dlrm's
 random mini-batches exactly (same tensors, same dtypes, the generator left in the same
-state), and leave the cases it does not cover to the program's own function.
+state), and leave the cases it does not cover to the program's own function. And
+``bench/apps/table.py --apps fb_dlrm``, which runs that program through fb_dlrm.py.
 
 The reference below is the program's per-sample loop for uniform indices, written
 from its behaviour (one ``random(1)`` per sample and table, ``np.unique`` of the
@@ -82,3 +83,32 @@ def test_other_cases_run_the_programs_own_draw(per_lookup, fixed):
     (d1, o1, i1), _ = _draw(dp.generate_dist_input_batch, 7, *args)
     assert len(calls) == 1
     assert torch.equal(d0, d1) and all(torch.equal(a, b) for a, b in zip(o0 + i0, o1 + i1))
+
+
+def test_the_apps_table_runs_fb_dlrm_through_its_script(monkeypatch, tmp_path):
+    """``table.py --apps fb_dlrm`` needs the checkout, passes absolute paths (the program
+    runs in the checkout) and reports the run as an app's result without a comm share."""
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    import fb_dlrm
+    import table
+
+    with pytest.raises(SystemExit):
+        table.parse(["--apps", "fb_dlrm"])
+    assert table.parse(["--apps", "fb_dlrm", "--dlrm", "x"]).dlrm == "x"
+    seen = []
+
+    def launch(a, variant):
+        seen.append(a)
+        return {"samples_per_s": 1000.0, "loss": 0.5}
+
+    monkeypatch.setattr(fb_dlrm, "launch", launch)
+    monkeypatch.chdir(tmp_path)
+    variant = table.variants("int8")[3]  # tuned
+    r = table.launch("fb_dlrm", 4, variant, 60, "t.json", "1gbit", 2, "comm", "dlrm")
+    assert r == {"samples_per_s": 1000.0, "losses": [0.5], "comm_share": None}
+    a = seen[0]
+    assert (a.dlrm, a.table) == (str(tmp_path / "dlrm"), str(tmp_path / "t.json"))
+    assert (a.ranks, a.cluster, a.hosts, a.batches, a.print_freq) == (4, "1gbit", 2, 60, 10)
+    assert table._median_share([r, r]) is None
+    assert table._median_share([{"comm_share": 0.2}, r, {"comm_share": 0.4}]) == pytest.approx(0.3)
+    assert (table._share(None), table._share(0.25)) == ("-", "25%")

@@ -1,6 +1,7 @@
-"""The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py; and DeepSpeed's MoE layer,
-bench/apps/ds_moe.py, with ``--apps ds_moe``) on torch's Gloo and on MCR-DL's registered
-backend, samples per second and communication share.
+"""The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py; DeepSpeed's MoE layer,
+bench/apps/ds_moe.py, with ``--apps ds_moe``; facebookresearch/dlrm's program,
+bench/apps/fb_dlrm.py, with ``--apps fb_dlrm --dlrm CHECKOUT``) on torch's Gloo and on
+MCR-DL's registered backend, samples per second and communication share.
 
     .venv/bin/python bench/apps/table.py --ranks 2 3 [--steps 15] [--repeats 3] [--tune]
     sudo .venv/bin/python bench/apps/table.py --ranks 4 --cluster 1gbit --hosts 2 --tune
@@ -137,7 +138,10 @@ def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2,
 
 
 def launch(app: str, n: int, variant, steps: int, table: str | None,
-           cluster: str | None = None, hosts: int = 2, shape: str = "default") -> dict:
+           cluster: str | None = None, hosts: int = 2, shape: str = "default",
+           dlrm: str | None = None) -> dict:
+    if app == "fb_dlrm":
+        return fb_dlrm_run(dlrm, n, variant, steps, table, cluster, hosts)
     _, backend, options, extra, tuned = variant
     out = OUT / f"apps_{app}_{n}.json"
     cmd = launcher(n, cluster, hosts) + [sys.executable, str(HERE / f"{app}.py"), "--backend",
@@ -157,6 +161,22 @@ def launch(app: str, n: int, variant, steps: int, table: str | None,
     return json.loads(out.read_text())
 
 
+def fb_dlrm_run(dlrm: str, n: int, variant, steps: int, table: str | None,
+                cluster: str | None, hosts: int) -> dict:
+    """One run of facebookresearch/dlrm's program (``bench/apps/fb_dlrm.py``, checkout
+    ``dlrm``) as an app's result: ``steps`` global batches of 2048, timed after the
+    first sixth (its print interval); its last printed loss is its one loss; no
+    communication share (the program does not time its communication)."""
+    import fb_dlrm  # (it imports this module: loaded when first used)
+
+    a = argparse.Namespace(dlrm=str(Path(dlrm).resolve()), ranks=n, cluster=cluster,
+                           hosts=hosts, table=str(Path(table).resolve()) if table else None,
+                           batch=2048, batches=steps, print_freq=max(1, steps // 6),
+                           rows=20000)
+    r = fb_dlrm.launch(a, variant)
+    return {"samples_per_s": r["samples_per_s"], "losses": [r["loss"]], "comm_share": None}
+
+
 #: what --all runs: (cluster rate or None for one host, hosts, ranks)
 ALL = [(None, 1, [2, 3]), ("1gbit", 2, [4]), ("1gbit", 4, [4]), ("10gbit", 2, [4]),
        ("10gbit", 4, [4])]
@@ -166,8 +186,13 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     p.add_argument("--apps", nargs="+", default=["dlrm", "moe"],
-                   choices=["dlrm", "moe", "ds_moe"],
-                   help="ds_moe: DeepSpeed's MoE layer, unchanged (needs deepspeed)")
+                   choices=["dlrm", "moe", "ds_moe", "fb_dlrm"],
+                   help="ds_moe: DeepSpeed's MoE layer, unchanged (needs deepspeed); "
+                        "fb_dlrm: facebookresearch/dlrm's dlrm_s_pytorch.py, unchanged "
+                        "(needs --dlrm)")
+    p.add_argument("--dlrm", default=None, metavar="CHECKOUT",
+                   help="a checkout of facebookresearch/dlrm, for --apps fb_dlrm "
+                        "(pip install scikit-learn tensorboard)")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tune", action="store_true", help="measure the tuning table first")
@@ -197,6 +222,9 @@ def parse(argv=None):
                         "hosts at 1 and 10 Gbit/s (sudo), each tuned, 20 steps, 3 repeats, "
                         "200-step losses (about 2 h here)")
     a = p.parse_args(argv)
+    if "fb_dlrm" in a.apps and not a.dlrm:
+        p.error("--apps fb_dlrm runs facebookresearch/dlrm's program: pass its checkout "
+                "as --dlrm PATH (git clone https://github.com/facebookresearch/dlrm)")
     if a.quick:
         a.steps, a.repeats, a.loss_steps = 6, 1, 0
     if a.all:
@@ -223,11 +251,12 @@ def run_config(a, cluster, hosts: int, ranks: list) -> list:
                 k = rep % len(vs)
                 for v in vs[k:] + vs[:k]:
                     runs[v[0]].append(launch(app, n, v, a.steps, str(table), cluster, hosts,
-                                             a.shape))
+                                             a.shape, a.dlrm))
             final = {}
             if a.loss_steps:
                 for v in vs:
-                    r = launch(app, n, v, a.loss_steps, str(table), cluster, hosts, a.shape)
+                    r = launch(app, n, v, a.loss_steps, str(table), cluster, hosts, a.shape,
+                               a.dlrm)
                     final[v[0]] = r["losses"][-1]
             base = runs["gloo (torch)"]
             base_sps = statistics.median(r["samples_per_s"] for r in base)
@@ -244,7 +273,7 @@ def run_config(a, cluster, hosts: int, ranks: list) -> list:
                        "ran": ran, "variant": name, "samples_per_s": sps,
                        "vs_gloo": sps / base_sps, "vs_best_single": sps / best_sps,
                        "shape": a.shape,
-                       "comm_share": statistics.median(r["comm_share"] for r in rs),
+                       "comm_share": _median_share(rs),
                        "loss_max_rel_diff_vs_gloo": diff, "repeats": len(rs)}
                 if final:
                     ref = final[REFERENCE]
@@ -255,7 +284,7 @@ def run_config(a, cluster, hosts: int, ranks: list) -> list:
                         f"({row['final_loss_rel_diff']:+.2%})" if final else "")
                 print(f"{app} n={n} {where.format(n=n // hosts)} {name:26s} {sps:10.0f} "
                       f"samples/s  x{sps / base_sps:.2f}  (best single x{sps / best_sps:.2f})  "
-                      f"comm {row['comm_share']:.0%}  "
+                      f"comm {_share(row['comm_share'])}  "
                       f"loss diff {diff:.1e}{tail}  ran {'; '.join(ran) or '-'}", flush=True)
     return rows
 
@@ -285,8 +314,18 @@ def main(argv=None):
               if "final_loss" in r else (" - |" if losses else ""))
         print(f"| {r['app']} | {r['where']} | {r['ranks']} | {r['variant']} | "
               f"{r['samples_per_s']:.0f} | {r['vs_gloo']:.2f}x | {r['vs_best_single']:.2f}x | "
-              f"{r['comm_share']:.0%} | "
+              f"{_share(r['comm_share'])} | "
               f"{r['loss_max_rel_diff_vs_gloo']:.0e} |{fl} {'; '.join(r['ran'])} |")
+
+
+def _median_share(runs) -> float | None:
+    """The median communication share of ``runs``; None where the app does not time it."""
+    shares = [r["comm_share"] for r in runs if r.get("comm_share") is not None]
+    return statistics.median(shares) if shares else None
+
+
+def _share(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def plot(rows, path: Path) -> None:
