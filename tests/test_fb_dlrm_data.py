@@ -86,8 +86,9 @@ def test_other_cases_run_the_programs_own_draw(per_lookup, fixed):
 
 
 def test_the_apps_table_runs_fb_dlrm_through_its_script(monkeypatch, tmp_path):
-    """``table.py --apps fb_dlrm`` needs the checkout, passes absolute paths (the program
-    runs in the checkout) and reports the run as an app's result without a comm share."""
+    """``table.py --apps fb_dlrm`` needs the checkout; a run goes through
+    fb_dlrm_data.py in the checkout with absolute paths, is timed after the first print
+    interval, and is reported as an app's result without a comm share."""
     monkeypatch.syspath_prepend(str(_PATH.parent))
     import fb_dlrm
     import table
@@ -96,19 +97,29 @@ def test_the_apps_table_runs_fb_dlrm_through_its_script(monkeypatch, tmp_path):
         table.parse(["--apps", "fb_dlrm"])
     assert table.parse(["--apps", "fb_dlrm", "--dlrm", "x"]).dlrm == "x"
     seen = []
+    ms_per_it = ((10, 900.0), (20, 200.0), (30, 100.0), (40, 300.0), (50, 200.0), (60, 200.0))
+    printed = "".join(f"Finished training it {i}/60 of epoch 0, {ms:.2f} ms/it, "
+                      f"loss {0.9 - i / 1e3:.6f}\n" for i, ms in ms_per_it)
 
-    def launch(a, variant):
-        seen.append(a)
-        return {"samples_per_s": 1000.0, "loss": 0.5}
+    def run(cmd, **kw):
+        seen.append((cmd, kw))
+        return types.SimpleNamespace(returncode=0, stdout=printed, stderr="")
 
-    monkeypatch.setattr(fb_dlrm, "launch", launch)
+    monkeypatch.setattr(fb_dlrm.subprocess, "run", run)
     monkeypatch.chdir(tmp_path)
-    variant = table.variants("int8")[3]  # tuned
-    r = table.launch("fb_dlrm", 4, variant, 60, "t.json", "1gbit", 2, "comm", "dlrm")
-    assert r == {"samples_per_s": 1000.0, "losses": [0.5], "comm_share": None}
-    a = seen[0]
-    assert (a.dlrm, a.table) == (str(tmp_path / "dlrm"), str(tmp_path / "t.json"))
-    assert (a.ranks, a.cluster, a.hosts, a.batches, a.print_freq) == (4, "1gbit", 2, 60, 10)
+    for i, tuned in ((3, True), (1, False)):  # tuned; forced mpi
+        r = table.launch("fb_dlrm", 4, table.variants("int8")[i], 60, "t.json", "1gbit", 2,
+                         "comm", "dlrm")
+        # its 20-60 (after the first interval): 200 ms/it on average, 2048 samples each
+        assert r == {"samples_per_s": pytest.approx(10240.0), "losses": [0.84],
+                     "comm_share": None}
+    (cmd, kw), (cmd_mpi, kw_mpi) = seen
+    assert kw["cwd"] == tmp_path / "dlrm"
+    assert cmd[cmd.index(str(_PATH)) + 1] == str(tmp_path / "dlrm" / "dlrm_s_pytorch.py")
+    assert "--print-freq=10" in cmd and "--num-batches=60" in cmd
+    assert kw["env"]["MCRDL_TUNING_TABLE"] == str(tmp_path / "t.json")
+    assert kw_mpi["env"]["MCRDL_TUNING_TABLE"] == "none"
+    assert kw_mpi["env"]["MCRDL_BACKEND"] == "mpi"
     assert table._median_share([r, r]) is None
     assert table._median_share([{"comm_share": 0.2}, r, {"comm_share": 0.4}]) == pytest.approx(0.3)
     assert (table._share(None), table._share(0.25)) == ("-", "25%")

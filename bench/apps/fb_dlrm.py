@@ -47,14 +47,16 @@ def args_of(a) -> list:
 
 
 def launch(a, variant) -> dict:
+    """One run of ``variant`` (``table.variants``); the program runs in the checkout,
+    so the paths given are made absolute here."""
     name, backend, options, extra, tuned = variant
-    env = _env(a.table if tuned else None, {**extra, **({"MCRDL_BACKEND": options}
-                                                        if options else {})})
+    dlrm = Path(a.dlrm).resolve()
+    table = str(Path(a.table).resolve()) if tuned and a.table else None
+    env = _env(table, {**extra, **({"MCRDL_BACKEND": options} if options else {})})
     cmd = launcher(a.ranks, a.cluster, a.hosts) + [
         sys.executable, "-m", "mcrdl_torch.run", str(HERE / "fb_dlrm_data.py"),
-        str(Path(a.dlrm) / "dlrm_s_pytorch.py"),
-        f"--dist-backend={backend}"] + args_of(a)
-    proc = subprocess.run(cmd, env=env, cwd=a.dlrm, capture_output=True, text=True,
+        str(dlrm / "dlrm_s_pytorch.py"), f"--dist-backend={backend}"] + args_of(a)
+    proc = subprocess.run(cmd, env=env, cwd=dlrm, capture_output=True, text=True,
                           timeout=900)
     found = [(int(i), float(ms), float(loss)) for i, ms, loss in LINE.findall(proc.stdout)]
     if proc.returncode != 0 or not found:
@@ -79,7 +81,6 @@ def main(argv=None):
     p.add_argument("--skip", nargs="*", default=[], metavar="VARIANT",
                    help="variants not to run, by name ('mcrdl: gloo', 'mcrdl: tuned')")
     a = p.parse_args(argv)
-    a.table = str(Path(a.table).resolve())
     vs = [v for v in variants(a.codecs) if v[0] not in a.skip]
     runs = {v[0]: [] for v in vs}
     for rep in range(a.repeats):

@@ -169,8 +169,7 @@ def fb_dlrm_run(dlrm: str, n: int, variant, steps: int, table: str | None,
     communication share (the program does not time its communication)."""
     import fb_dlrm  # (it imports this module: loaded when first used)
 
-    a = argparse.Namespace(dlrm=str(Path(dlrm).resolve()), ranks=n, cluster=cluster,
-                           hosts=hosts, table=str(Path(table).resolve()) if table else None,
+    a = argparse.Namespace(dlrm=dlrm, ranks=n, cluster=cluster, hosts=hosts, table=table,
                            batch=2048, batches=steps, print_freq=max(1, steps // 6),
                            rows=20000)
     r = fb_dlrm.launch(a, variant)
