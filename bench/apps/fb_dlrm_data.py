@@ -4,11 +4,11 @@ whole arrays instead of one sample at a time: the same numbers, drawn in the sam
     python -m mcrdl_torch.run bench/apps/fb_dlrm_data.py DLRM_CHECKOUT/dlrm_s_pytorch.py ARGS
 
 Why: with ``--data-generation=random`` the program draws each batch inside its training
-loop, in Python loops over tables and samples (1.0 s for 2048 samples x 26 tables
-in one process here). Its ms/it leaves that out, but where ranks outnumber cores (the emulated cluster
-runs 4 ranks on 2) one rank's drawing takes the CPU from another's step, so the step
-times it prints swung 285-428 ms/it within one run while each iteration took 2.3 s of
-wall time.
+loop, in Python loops over tables and samples (1.0 s for 2048 samples x 26 tables in
+one process here). Its ms/it leaves that out, but where ranks outnumber cores (the
+emulated cluster runs 4 ranks on 2) one rank's drawing takes the CPU from another's
+step, so the step times it prints swung 285-428 ms/it within one run while each
+iteration took 2.3 s of wall time.
 
 What changes: only ``dlrm_data_pytorch.generate_dist_input_batch``, and only for the
 case the apps runs use (uniform indices, a fixed number of 1 per lookup, a batch of at
