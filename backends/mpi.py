@@ -92,9 +92,31 @@ class MPIWork(Work):
                 w.complete()
 
 
-class _FastWork(MPIWork):
-    """An MPIWork of the fast path (``MPIBackend.fast_work``): what is the same for all of
-    them is set on the class instead of on each.
+try:  # the compiled hot path: built by mcrdl_backends.build (make install), not by pip
+    from . import mpi_fast
+except ImportError as _exc:
+    mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
+
+
+
+class _PyWorkFields:
+    """What ``mpi_fast.Work`` holds in the object, as class defaults: the base of the
+    fast path's Works where the compiled module is not built (or is another version)."""
+
+    req = status = counts = op = group = engine = error = None
+    spans = keep = finalizers = ()
+    done = False
+
+
+#: the fields of the fast path's Works: in the object (the compiled module's type, which
+#: its calls fill in without a dict lookup) where it is built, else plain attributes
+_WorkFields = getattr(mpi_fast, "Work", _PyWorkFields)
+
+
+class _FastWork(_WorkFields, MPIWork):
+    """An MPIWork of the fast path (``MPIBackend.fast_work``): its hot fields (request,
+    status, op, group, spans, keep, engine, finalizers, error, done) are those of
+    ``_WorkFields``; what is the same for all of them is set on the class.
 
     While the compiled module is in use its ``wait`` is the module's ``work_wait`` (set
     by ``fast_blocking``): with no timeout given, while every work in flight on this
@@ -106,10 +128,7 @@ class _FastWork(MPIWork):
     wait (``MPIWork.wait``: its timeout and diagnostics), as any Work; that is also the
     wait while the module is not in use."""
 
-    backend, desc, status, error, value = "mpi", "", None, None, None
-    # until set on the instance: not done, not registered, no finalizers (a tuple, which
-    # ``add_finalizer`` replaces by a list)
-    done, engine, finalizers = False, None, ()
+    backend, desc, value = "mpi", "", None
 
     def poll(self) -> bool:
         return self.req.Test()  # no status: never a receive
@@ -140,16 +159,6 @@ class _FastRecvWork(_FastWork):
 #: the Work classes of MPI requests: a fast-path wait spins in C only while every work
 #: in flight is one of these (exactly: another class may need its own polling)
 _MPI_WORKS = frozenset((MPIWork, _FastWork, _FastRecvWork))
-
-
-class _KeptRequest:
-    """An uneven all-to-all's request from the compiled module, with the memory of its
-    count arrays, which MPI reads until the request completes (its Work keeps it)."""
-
-    __slots__ = ("req", "keep", "Test")
-
-    def __init__(self, req, keep):
-        self.req, self.keep, self.Test = req, keep, req.Test
 
 
 class _RecvRequest:
@@ -239,13 +248,18 @@ class _Reducible:
             np.copyto(self.buf.host(), arr, casting="unsafe")
 
 
-try:  # the compiled hot path: built by mcrdl_backends.build (make install), not by pip
-    from . import mpi_fast
-except ImportError as _exc:
-    mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
-
-_FAST_VERSION = 4  # mpi_fast.c's VERSION that this module's calls are written for
+_FAST_VERSION = 5  # mpi_fast.c's VERSION that this module's calls are written for
 _COMPILED: list = []
+
+
+def _launch(op, group, req, spans, keep, engine):
+    """The Work of a Python issuer's request, registered with ``engine``: where the
+    compiled ``launch`` hands such a request (``MCRDL_MPI_FAST`` off after the module
+    was loaded)."""
+    work = MPIBackend.fast_work(None, op, group, req, spans, keep)
+    work.engine = engine
+    engine.inflight.append(work)
+    return work
 
 
 def compiled():
@@ -263,7 +277,8 @@ def compiled():
             _COMPILED.append((None, "built against another MPI library than mpi4py's: "
                                     "rebuild with python -m mcrdl_backends.build"))
         else:
-            mpi_fast.set_work_classes(_FastWork, _FastRecvWork, _MPI_WORKS, MPIWork.wait)
+            mpi_fast.set_work_classes(_FastWork, _FastRecvWork, _MPI_WORKS, MPIWork.wait,
+                                      _launch)
             _COMPILED.append((mpi_fast, "built"))
     return _COMPILED[0]
 
@@ -605,6 +620,15 @@ class MPIBackend(Backend):
         compiled module), as ``fast_issuer``'s compiled issuer returns it."""
         return left
 
+    @property
+    def fast_launch(self):
+        """``launch(op, group, issue, args, spans, keep, engine)`` (``Backend.fast_launch``):
+        the compiled module's where it is built, one C call that checks the memory
+        against the work in flight, issues, fills in the Work the issuer made and
+        appends it to the engine's in-flight list; else the Python one."""
+        c = compiled()[0]
+        return Backend.fast_launch.__get__(self) if c is None else c.launch
+
     def fast_work(self, op, group, req, spans, keep):
         """The Work, unregistered, of what an issuer of ``fast_issuer`` returned (``keep``:
         what keeps the memory alive): the compiled module's Work, completed here, or a
@@ -616,9 +640,6 @@ class MPIBackend(Backend):
         if cls is _RecvRequest:
             w = _FastRecvWork.__new__(_FastRecvWork)
             w.status, req = req.status, req.req
-        elif cls is _KeptRequest:
-            w = _FastWork.__new__(_FastWork)
-            req, keep = req.req, (*keep, req.keep)
         else:
             w = _FastWork.__new__(_FastWork)
         w.op, w.group, w.req, w.keep, w.spans = op, group, req, keep, spans

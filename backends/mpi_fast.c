@@ -9,12 +9,13 @@
  * ``spin`` seconds, with the GIL released after the first test. A request that
  * completed gives None (a receive: its source rank); one that did not gives the Work of
  * it, unregistered: an instance of the class ``set_work_classes`` named (a receive's: of
- * the second class, with an mpi4py Status as ``status``), made without its constructor,
- * with the mpi4py Request as ``req``; the caller fills in the rest and waits for it
- * through its progress engine, with the engine's timeout and diagnostics. ``spin`` < 0
- * returns the Work untested (async calls). Making the Work here saves an async call
- * the Python of a Request wrapper and of the Work's construction. An MPI error raises
- * ``MPIError`` with MPI's message.
+ * the second class, with an mpi4py Status as ``status``), a subclass of this module's
+ * ``Work`` type, which holds the fields the hot path reads and writes (request, op,
+ * group, spans, keep, engine, done, ...) in the object rather than in a dict. The
+ * caller waits for it through its progress engine, with the engine's timeout and
+ * diagnostics. ``spin`` < 0 returns the Work untested (async calls), which ``launch``
+ * fills in and registers in one call, and whose ``wait`` is ``work_wait``. An MPI
+ * error raises ``MPIError`` with MPI's message.
  *
  * Arguments: the fixed ones first (communicator, datatype and op handles as mpi4py's
  * ``.handle`` gives them; the root), so that the backend binds them once with
@@ -26,8 +27,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h> /* mpi4py's C API: Request objects from handles */
+#include <limits.h>
+#include <stdarg.h>
 #include <string.h>
 #include <time.h>
 
@@ -78,17 +82,118 @@ static int poll(MPI_Request *req, double spin, MPI_Status *st, int *flag)
     return rc;
 }
 
-/* The classes of the Works made here, the set of the MPI Work classes and the Python
- * wait (set_work_classes), names set on the Works, and the count ``spins`` returns. */
-static PyTypeObject *work_cls, *recv_work_cls;
-static PyObject *work_types, *slow_wait;
-static unsigned long long spins;
-static PyObject *s_req, *s_status, *s_counts, *s_empty;
+/* The Work base type: the fields the fast path reads and writes on every async call,
+ * kept in the object itself, so that issuing, registering and waiting touch memory
+ * instead of looking names up in a dict. The backend's Work classes of the fast path
+ * derive from it and from its Python Work class (``class _FastWork(mpi_fast.Work,
+ * MPIWork)``): Python code sees the fields as ordinary attributes (``w.done``,
+ * ``w.req``, ...), everything else lives in the instance dict as before. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *req;        /* the mpi4py Request */
+    PyObject *status;     /* a receive's mpi4py Status, else NULL (None) */
+    PyObject *counts;     /* an uneven all-to-all's count arrays, which MPI reads */
+    PyObject *op, *group, *spans, *keep, *engine, *finalizers, *error;
+    char done;
+} WorkObject;
 
-/* The Work of the unfinished ``req``: an instance of ``cls`` made as ``cls.__new__(cls)``
- * would, with ``req`` (an mpi4py Request) and, where ``name`` is not NULL, ``value`` as
- * attribute ``name``. On an error the request is leaked (MPI may still use its memory). */
-static PyObject *new_work(PyTypeObject *cls, MPI_Request req, PyObject *name, PyObject *value)
+static PyObject *s_empty; /* () */
+
+static PyObject *work_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    WorkObject *w = (WorkObject *)type->tp_alloc(type, 0);
+    if (w == NULL)
+        return NULL;
+    /* as Work.__init__ leaves them: no spans, nothing kept, no finalizers */
+    Py_INCREF(s_empty);
+    w->spans = s_empty;
+    Py_INCREF(s_empty);
+    w->keep = s_empty;
+    Py_INCREF(s_empty);
+    w->finalizers = s_empty;
+    return (PyObject *)w;
+}
+
+static int work_traverse(WorkObject *w, visitproc visit, void *arg)
+{
+    Py_VISIT(w->req);
+    Py_VISIT(w->status);
+    Py_VISIT(w->counts);
+    Py_VISIT(w->op);
+    Py_VISIT(w->group);
+    Py_VISIT(w->spans);
+    Py_VISIT(w->keep);
+    Py_VISIT(w->engine);
+    Py_VISIT(w->finalizers);
+    Py_VISIT(w->error);
+    return 0;
+}
+
+static int work_clear(WorkObject *w)
+{
+    Py_CLEAR(w->req);
+    Py_CLEAR(w->status);
+    Py_CLEAR(w->counts);
+    Py_CLEAR(w->op);
+    Py_CLEAR(w->group);
+    Py_CLEAR(w->spans);
+    Py_CLEAR(w->keep);
+    Py_CLEAR(w->engine);
+    Py_CLEAR(w->finalizers);
+    Py_CLEAR(w->error);
+    return 0;
+}
+
+static void work_dealloc(WorkObject *w)
+{
+    PyObject_GC_UnTrack(w);
+    work_clear(w);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+#define FIELD(name, doc) {#name, T_OBJECT, offsetof(WorkObject, name), 0, doc}
+static PyMemberDef work_members[] = {
+    FIELD(req, "the mpi4py Request"),
+    FIELD(status, "a receive's mpi4py Status (None for other ops)"),
+    FIELD(counts, "an uneven all-to-all's count arrays, kept while MPI reads them"),
+    FIELD(op, "the Op"),
+    FIELD(group, "the Group"),
+    FIELD(spans, "((lo, hi, writes), ...): the memory the call reads and writes"),
+    FIELD(keep, "what keeps that memory alive until completion"),
+    FIELD(engine, "the progress engine it is registered with, or None"),
+    FIELD(finalizers, "what runs at completion (a tuple or list)"),
+    FIELD(error, "the error it failed with, or None"),
+    {"done", T_BOOL, offsetof(WorkObject, done), 0, "whether it completed"},
+    {NULL}};
+#undef FIELD
+
+static PyTypeObject WorkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpi_fast.Work",
+    .tp_doc = "The fields of a fast-path MPI Work (a base of the backend's Work classes).",
+    .tp_basicsize = sizeof(WorkObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = work_new,
+    .tp_dealloc = (destructor)work_dealloc,
+    .tp_traverse = (traverseproc)work_traverse,
+    .tp_clear = (inquiry)work_clear,
+    .tp_members = work_members,
+};
+
+#define WORK(o) ((WorkObject *)(o))
+
+/* The classes of the Works made here (subclasses of Work), the set of the MPI Work
+ * classes, the Python wait and launch (set_work_classes), and the count ``spins``
+ * returns. */
+static PyTypeObject *work_cls, *recv_work_cls;
+static PyObject *work_types, *slow_wait, *slow_launch;
+static unsigned long long spins;
+
+/* The Work of the unfinished ``req``: an instance of ``cls`` with ``req`` as an mpi4py
+ * Request and, for a receive, ``status``; for an uneven all-to-all, ``counts``. On an
+ * error the request is leaked (MPI may still use its memory). */
+static PyObject *new_work(PyTypeObject *cls, MPI_Request req, PyObject *status,
+                          PyObject *counts)
 {
     PyObject *w, *h;
     if (cls == NULL) {
@@ -97,14 +202,15 @@ static PyObject *new_work(PyTypeObject *cls, MPI_Request req, PyObject *name, Py
     }
     if ((h = PyMPIRequest_New(req)) == NULL)
         return NULL;
-    w = PyBaseObject_Type.tp_new(cls, s_empty, NULL);
-    if (w == NULL || PyObject_SetAttr(w, s_req, h) < 0
-        || (name != NULL && PyObject_SetAttr(w, name, value) < 0)) {
-        Py_XDECREF(w);
+    if ((w = work_new(cls, NULL, NULL)) == NULL) {
         Py_DECREF(h);
         return NULL;
     }
-    Py_DECREF(h);
+    WORK(w)->req = h;
+    Py_XINCREF(status);
+    WORK(w)->status = status;
+    Py_XINCREF(counts);
+    WORK(w)->counts = counts;
     return w;
 }
 
@@ -119,25 +225,114 @@ static PyObject *finish(MPI_Request req, double spin)
     return new_work(work_cls, req, NULL, NULL);
 }
 
-/* set_work_classes(work, recv_work, mpi_work_types, slow_wait): the classes of the Works
- * the calls return; those ``work_wait`` spins for while all in flight are of them (a
- * frozenset); the wait it leaves the rest to. */
+/* set_work_classes(work, recv_work, mpi_work_types, slow_wait, slow_launch): the
+ * classes of the Works the calls return (subclasses of ``Work``); those ``work_wait``
+ * spins for while all in flight are of them (a frozenset); the wait it leaves the rest
+ * to; what ``launch`` hands a request that is not a ``Work`` (the Python issuers'):
+ * ``slow_launch(op, group, req, spans, keep, engine)``, which registers its Work. */
 static PyObject *set_work_classes(PyObject *self, PyObject *args)
 {
     PyTypeObject *w, *r;
-    PyObject *types, *slow;
-    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyType_Type, &w, &PyType_Type, &r,
-                          &PyFrozenSet_Type, &types, &slow))
+    PyObject *types, *slow, *launch;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO", &PyType_Type, &w, &PyType_Type, &r,
+                          &PyFrozenSet_Type, &types, &slow, &launch))
         return NULL;
+    if (!PyType_IsSubtype(w, &WorkType) || !PyType_IsSubtype(r, &WorkType)) {
+        PyErr_SetString(PyExc_TypeError, "mpi_fast: the Work classes must derive from mpi_fast.Work");
+        return NULL;
+    }
     Py_INCREF(w);
     Py_INCREF(r);
     Py_INCREF(types);
     Py_INCREF(slow);
+    Py_INCREF(launch);
     Py_XSETREF(work_cls, w);
     Py_XSETREF(recv_work_cls, r);
     Py_XSETREF(work_types, types);
     Py_XSETREF(slow_wait, slow);
+    Py_XSETREF(slow_launch, launch);
     Py_RETURN_NONE;
+}
+
+/* The issuers' argument parser (they are METH_FASTCALL: called through
+ * functools.partial with no argument tuple made): ``nargs`` positional arguments by
+ * ``fmt``, a subset of PyArg_ParseTuple's units with the same conversions: K (unsigned
+ * long long, masked), d (double), n (Py_ssize_t), i (int), p (truth), O (borrowed
+ * object), O& (converter, output). 0 with an error raised if one does not convert. */
+static int parse(PyObject *const *args, Py_ssize_t nargs, const char *fmt, ...)
+{
+    va_list va;
+    Py_ssize_t i = 0, want = 0;
+    const char *f;
+    int ok = 1;
+    for (f = fmt; *f; f++)
+        if (*f != '&')
+            want++;
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "mpi_fast: %zd arguments given, %zd expected", nargs, want);
+        return 0;
+    }
+    va_start(va, fmt);
+    for (f = fmt; ok && *f; f++, i++) {
+        PyObject *o = args[i];
+        switch (*f) {
+        case 'K': {
+            unsigned long long v = PyLong_Check(o) ? PyLong_AsUnsignedLongLongMask(o) : 0;
+            if (!PyLong_Check(o)) {
+                PyErr_SetString(PyExc_TypeError, "mpi_fast: a handle must be an int");
+                ok = 0;
+            } else if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+                ok = 0;
+            }
+            *va_arg(va, unsigned long long *) = v;
+            break;
+        }
+        case 'd': {
+            double v = PyFloat_AsDouble(o);
+            ok = !(v == -1.0 && PyErr_Occurred());
+            *va_arg(va, double *) = v;
+            break;
+        }
+        case 'n': {
+            Py_ssize_t v = PyNumber_AsSsize_t(o, PyExc_OverflowError);
+            ok = !(v == -1 && PyErr_Occurred());
+            *va_arg(va, Py_ssize_t *) = v;
+            break;
+        }
+        case 'i': {
+            long v = PyLong_AsLong(o);
+            if (v == -1 && PyErr_Occurred()) {
+                ok = 0;
+            } else if (v > INT_MAX || v < INT_MIN) {
+                PyErr_SetString(PyExc_OverflowError, "mpi_fast: an int argument out of range");
+                ok = 0;
+            }
+            *va_arg(va, int *) = (int)v;
+            break;
+        }
+        case 'p': {
+            int v = PyObject_IsTrue(o);
+            ok = v >= 0;
+            *va_arg(va, int *) = v;
+            break;
+        }
+        case 'O':
+            if (f[1] == '&') {
+                int (*conv)(PyObject *, void *) = va_arg(va, int (*)(PyObject *, void *));
+                void *out = va_arg(va, void *);
+                ok = conv(o, out);
+                f++;
+            } else {
+                *va_arg(va, PyObject **) = o;
+            }
+            break;
+        default:
+            PyErr_Format(PyExc_SystemError, "mpi_fast: format unit '%c'", *f);
+            ok = 0;
+        }
+    }
+    va_end(va);
+    return ok;
 }
 
 /* "O&" converter: a peer rank, or None for any source */
@@ -176,7 +371,7 @@ static int address(PyObject *o, void *out)
 typedef unsigned long long handle_t; /* parsed with "K" */
 
 /* allreduce(comm, dtype, op, spin, ptr, count): in place */
-static PyObject *allreduce(PyObject *self, PyObject *args)
+static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *ptr;
@@ -184,7 +379,7 @@ static PyObject *allreduce(PyObject *self, PyObject *args)
     Py_ssize_t count;
     int rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKKdO&n", &comm, &dtype, &op, &spin, address, &ptr, &count))
+    if (!parse(args, nargs, "KKKdO&n", &comm, &dtype, &op, &spin, address, &ptr, &count))
         return NULL;
     rc = MPI_Iallreduce_c(MPI_IN_PLACE, count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), OP(op),
                         COMM(comm), &req);
@@ -192,7 +387,7 @@ static PyObject *allreduce(PyObject *self, PyObject *args)
 }
 
 /* bcast(comm, dtype, root, spin, ptr, count) */
-static PyObject *bcast(PyObject *self, PyObject *args)
+static PyObject *bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *ptr;
@@ -200,14 +395,14 @@ static PyObject *bcast(PyObject *self, PyObject *args)
     Py_ssize_t count;
     int root, rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKidO&n", &comm, &dtype, &root, &spin, address, &ptr, &count))
+    if (!parse(args, nargs, "KKidO&n", &comm, &dtype, &root, &spin, address, &ptr, &count))
         return NULL;
     rc = MPI_Ibcast_c(count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), root, COMM(comm), &req);
     return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
 }
 
 /* reduce(comm, dtype, op, root, is_root, spin, ptr, count): in place at the root */
-static PyObject *reduce(PyObject *self, PyObject *args)
+static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *ptr, *mem;
@@ -215,7 +410,7 @@ static PyObject *reduce(PyObject *self, PyObject *args)
     Py_ssize_t count;
     int root, is_root, rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKKipdO&n", &comm, &dtype, &op, &root, &is_root, &spin,
+    if (!parse(args, nargs, "KKKipdO&n", &comm, &dtype, &op, &root, &is_root, &spin,
                           address, &ptr, &count))
         return NULL;
     mem = count ? ptr : NULL;
@@ -229,7 +424,7 @@ static PyObject *reduce(PyObject *self, PyObject *args)
 typedef int (*exchange_fn)(const void *, MPI_Count, MPI_Datatype, void *, MPI_Count,
                            MPI_Datatype, MPI_Comm, MPI_Request *);
 
-static PyObject *exchange(PyObject *args, exchange_fn fn)
+static PyObject *exchange(PyObject *const *args, Py_ssize_t nargs, exchange_fn fn)
 {
     double spin;
     void *out, *inp;
@@ -237,7 +432,7 @@ static PyObject *exchange(PyObject *args, exchange_fn fn)
     Py_ssize_t count;
     int rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKdO&O&n", &comm, &dtype, &spin, address, &out, address, &inp,
+    if (!parse(args, nargs, "KKdO&O&n", &comm, &dtype, &spin, address, &out, address, &inp,
                           &count))
         return NULL;
     rc = fn(count ? inp : NULL, (MPI_Count)count, TYPE(dtype), count ? out : NULL,
@@ -246,13 +441,13 @@ static PyObject *exchange(PyObject *args, exchange_fn fn)
 }
 
 /* allgather(comm, dtype, spin, out, inp, count): count per rank */
-static PyObject *allgather(PyObject *self, PyObject *args)
+static PyObject *allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return exchange(args, MPI_Iallgather_c);
+    return exchange(args, nargs, MPI_Iallgather_c);
 }
 
 /* reduce_scatter(comm, dtype, op, spin, out, inp, count): count per rank */
-static PyObject *reduce_scatter(PyObject *self, PyObject *args)
+static PyObject *reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *out, *inp;
@@ -260,7 +455,7 @@ static PyObject *reduce_scatter(PyObject *self, PyObject *args)
     Py_ssize_t count;
     int rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKKdO&O&n", &comm, &dtype, &op, &spin, address, &out, address,
+    if (!parse(args, nargs, "KKKdO&O&n", &comm, &dtype, &op, &spin, address, &out, address,
                           &inp, &count))
         return NULL;
     rc = MPI_Ireduce_scatter_block_c(count ? inp : NULL, count ? out : NULL, (MPI_Count)count,
@@ -269,9 +464,9 @@ static PyObject *reduce_scatter(PyObject *self, PyObject *args)
 }
 
 /* alltoall(comm, dtype, spin, out, inp, count): count per peer */
-static PyObject *alltoall(PyObject *self, PyObject *args)
+static PyObject *alltoall(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return exchange(args, MPI_Ialltoall_c);
+    return exchange(args, nargs, MPI_Ialltoall_c);
 }
 
 /* One side of an uneven all-to-all: element counts and displacements per peer from
@@ -327,7 +522,7 @@ static int side(PyObject *splits, Py_ssize_t count, Py_ssize_t rows, int n, MPI_
  * rank's own block differs in size between them; else None if it completed within
  * ``spin``, or its Work, with the counts' memory, which MPI reads until the request
  * completes, as ``counts``. */
-static PyObject *alltoallv(PyObject *self, PyObject *args)
+static PyObject *alltoallv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *out, *inp;
@@ -338,7 +533,7 @@ static PyObject *alltoallv(PyObject *self, PyObject *args)
     MPI_Count *oc, *ic;
     MPI_Aint *od, *id;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKiidO&nnO&nnOO", &comm, &dtype, &n, &me, &spin, address, &out,
+    if (!parse(args, nargs, "KKiidO&nnO&nnOO", &comm, &dtype, &n, &me, &spin, address, &out,
                           &out_count, &out_rows, address, &inp, &in_count, &in_rows, &out_splits,
                           &in_splits))
         return NULL;
@@ -371,14 +566,14 @@ static PyObject *alltoallv(PyObject *self, PyObject *args)
     }
     /* from here on MPI may still read the counts: on an error (out of memory) they are
      * leaked, not freed */
-    w = new_work(work_cls, req, s_counts, keep);
+    w = new_work(work_cls, req, NULL, keep);
     if (w != NULL)
         Py_DECREF(keep);
     return w;
 }
 
 /* send(comm, dtype, spin, ptr, count, peer, tag) */
-static PyObject *send(PyObject *self, PyObject *args)
+static PyObject *send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *ptr;
@@ -386,7 +581,7 @@ static PyObject *send(PyObject *self, PyObject *args)
     Py_ssize_t count;
     int peer, tag, rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "KKdO&nii", &comm, &dtype, &spin, address, &ptr, &count, &peer,
+    if (!parse(args, nargs, "KKdO&nii", &comm, &dtype, &spin, address, &ptr, &count, &peer,
                           &tag))
         return NULL;
     rc = MPI_Isend_c(count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), peer, tag, COMM(comm),
@@ -396,7 +591,7 @@ static PyObject *send(PyObject *self, PyObject *args)
 
 /* recv(comm, dtype, spin, ptr, count, peer, tag), peer None: any source. Returns the
  * source rank if the receive completed within ``spin``, else its Work, with a Status. */
-static PyObject *recv(PyObject *self, PyObject *args)
+static PyObject *recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     void *ptr;
@@ -406,7 +601,7 @@ static PyObject *recv(PyObject *self, PyObject *args)
     MPI_Request req;
     MPI_Status st;
     PyObject *status, *w;
-    if (!PyArg_ParseTuple(args, "KKdO&nO&i", &comm, &dtype, &spin, address, &ptr, &count, peer,
+    if (!parse(args, nargs, "KKdO&nO&i", &comm, &dtype, &spin, address, &ptr, &count, peer,
                           &src, &tag))
         return NULL;
     rc = MPI_Irecv_c(count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), src, tag, COMM(comm),
@@ -421,27 +616,27 @@ static PyObject *recv(PyObject *self, PyObject *args)
     memset(&st, 0, sizeof st);
     if ((status = PyMPIStatus_New(&st)) == NULL)
         return NULL;
-    w = new_work(recv_work_cls, req, s_status, status);
+    w = new_work(recv_work_cls, req, status, NULL);
     Py_DECREF(status);
     return w;
 }
 
 /* barrier(comm, spin) */
-static PyObject *barrier(PyObject *self, PyObject *args)
+static PyObject *barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
     handle_t comm;
     int rc;
     MPI_Request req;
-    if (!PyArg_ParseTuple(args, "Kd", &comm, &spin))
+    if (!parse(args, nargs, "Kd", &comm, &spin))
         return NULL;
     rc = MPI_Ibarrier(COMM(comm), &req);
     return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
 }
 
-/* Names the wait reads and writes, interned once (at import). */
-static PyObject *s_done, *s_error, *s_engine, *s_pending, *s_inflight, *s_poll_lock, *s_spin_s,
-    *s_finalizers, *s_keep, *s_complete, *s_acquire, *s_release;
+/* Names the wait reads on the engine and calls, interned once (at import). */
+static PyObject *s_pending, *s_inflight, *s_poll_lock, *s_spin_s, *s_complete, *s_acquire,
+    *s_release;
 
 /* Whether ``o``'s attribute ``name`` is true (-1: error). */
 static int attr_true(PyObject *o, PyObject *name)
@@ -458,9 +653,9 @@ static int attr_true(PyObject *o, PyObject *name)
 /* Spin on the request of ``w`` (an async fast-path Work, registered with engine ``eng``)
  * under the engine's poll_lock, and finish it if it completed. Returns 1 if it did, 2 if
  * it spun and the request is not done, 0 if the lock was busy, -1 on an error (raised). */
-static int spin_and_finish(PyObject *w, PyObject *eng, PyObject *inflight)
+static int spin_and_finish(WorkObject *w, PyObject *eng, PyObject *inflight)
 {
-    PyObject *lock, *o, *req = NULL, *status = NULL;
+    PyObject *lock, *o;
     MPI_Request *r;
     MPI_Status *st = MPI_STATUS_IGNORE;
     double spin;
@@ -482,8 +677,8 @@ static int spin_and_finish(PyObject *w, PyObject *eng, PyObject *inflight)
         return 0;
     }
     /* under the lock: another thread may have finished it meanwhile */
-    if ((rc = attr_true(w, s_done)) != 0) {
-        out = rc < 0 ? -1 : 1;
+    if (w->done) {
+        out = 1;
         goto release;
     }
     if ((o = PyObject_GetAttr(eng, s_spin_s)) == NULL)
@@ -492,11 +687,12 @@ static int spin_and_finish(PyObject *w, PyObject *eng, PyObject *inflight)
     Py_DECREF(o);
     if (spin == -1.0 && PyErr_Occurred())
         goto release;
-    if ((req = PyObject_GetAttr(w, s_req)) == NULL || (r = PyMPIRequest_Get(req)) == NULL)
+    if (w->req == NULL || (r = PyMPIRequest_Get(w->req)) == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "mpi_fast: a Work without a request");
         goto release;
-    if ((status = PyObject_GetAttr(w, s_status)) == NULL)
-        goto release;
-    if (status != Py_None && (st = PyMPIStatus_Get(status)) == NULL)
+    }
+    if (w->status != NULL && w->status != Py_None && (st = PyMPIStatus_Get(w->status)) == NULL)
         goto release;
     rc = poll(r, spin < 0 ? 0 : spin, st, &flag);
     if (rc != MPI_SUCCESS) {
@@ -507,28 +703,28 @@ static int spin_and_finish(PyObject *w, PyObject *eng, PyObject *inflight)
         out = 2;
         goto release;
     }
-    if ((rc = attr_true(w, s_finalizers)) < 0)
-        goto release;
-    if (rc) { /* finalizers to run: Work.complete does it all */
-        if ((o = PyObject_CallMethodNoArgs(w, s_complete)) == NULL)
+    if (w->finalizers != NULL && (rc = PyObject_IsTrue(w->finalizers)) != 0) {
+        if (rc < 0)
+            goto release;
+        /* finalizers to run: Work.complete does it all */
+        if ((o = PyObject_CallMethodNoArgs((PyObject *)w, s_complete)) == NULL)
             goto release;
         Py_DECREF(o);
         out = 1;
         goto release;
     }
     /* Work.complete without finalizers: keep dropped, done, out of the in-flight list */
-    if (PyObject_SetAttr(w, s_keep, s_empty) < 0 || PyObject_SetAttr(w, s_done, Py_True) < 0)
-        goto release;
+    Py_INCREF(s_empty);
+    Py_XSETREF(w->keep, s_empty);
+    w->done = 1;
     for (i = 0; i < PyList_GET_SIZE(inflight); i++)
-        if (PyList_GET_ITEM(inflight, i) == w) {
+        if (PyList_GET_ITEM(inflight, i) == (PyObject *)w) {
             if (PyList_SetSlice(inflight, i, i + 1, NULL) < 0)
                 goto release;
             break;
         }
     out = 1;
 release:
-    Py_XDECREF(req);
-    Py_XDECREF(status);
     if (out < 0) { /* release the lock, keeping the error raised */
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
@@ -551,32 +747,24 @@ release:
  * (an error to raise, no engine, deferred work, another library's work in flight, the
  * lock busy); -1 on an error (raised: an MPI error is MPIError). Finishing is
  * Work.complete where the work has finalizers, else its three effects, done here. */
-static int finish_core(PyObject *w, PyObject *types)
+static int finish_core(WorkObject *w, PyObject *types)
 {
-    PyObject *eng, *inflight = NULL, *o;
+    PyObject *eng = w->engine, *inflight;
     int t, out = -1;
     Py_ssize_t i;
-    if ((t = attr_true(w, s_done)) < 0)
-        return -1;
-    if (t) {
-        if ((o = PyObject_GetAttr(w, s_error)) == NULL)
-            return -1;
-        t = o == Py_None;
-        Py_DECREF(o);
-        return t;
-    }
-    if ((eng = PyObject_GetAttr(w, s_engine)) == NULL)
-        return -1;
-    if (eng == Py_None) {
-        out = 0;
-        goto end;
-    }
+    if (w->done)
+        return w->error == NULL || w->error == Py_None;
+    if (eng == NULL || eng == Py_None)
+        return 0;
+    Py_INCREF(eng);
     if ((t = attr_true(eng, s_pending)) != 0) {
-        out = t < 0 ? -1 : 0;
-        goto end;
+        Py_DECREF(eng);
+        return t < 0 ? -1 : 0;
     }
-    if ((inflight = PyObject_GetAttr(eng, s_inflight)) == NULL)
-        goto end;
+    if ((inflight = PyObject_GetAttr(eng, s_inflight)) == NULL) {
+        Py_DECREF(eng);
+        return -1;
+    }
     if (!PyList_Check(inflight)) {
         out = 0;
         goto end;
@@ -593,7 +781,7 @@ static int finish_core(PyObject *w, PyObject *types)
     if (out == 1 || out == 2)
         spins++;
 end:
-    Py_XDECREF(inflight);
+    Py_DECREF(inflight);
     Py_DECREF(eng);
     return out;
 }
@@ -603,15 +791,22 @@ end:
  * given, True if that finished the work; else, or after failing the work with an error
  * raised there (``work.complete(error)``), the Python wait ``set_work_classes`` named
  * (the engine's: its timeout, diagnostics, and the work's error raised). */
-static PyObject *work_wait(PyObject *self, PyObject *args, PyObject *kwargs)
+static PyObject *work_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames)
 {
-    static char *names[] = {"work", "timeout", NULL};
     PyObject *w, *timeout = Py_None, *et, *ev, *tb, *r;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int out;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:wait", names, &w, &timeout))
+    if (nargs < 1 || nargs + nkw > 2
+        || (nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "wait(timeout=None): one optional argument, timeout");
         return NULL;
-    if (timeout == Py_None && work_types != NULL) {
-        out = finish_core(w, work_types);
+    }
+    w = args[0];
+    if (nargs + nkw == 2)
+        timeout = args[1];
+    if (timeout == Py_None && work_types != NULL && PyObject_TypeCheck(w, &WorkType)) {
+        out = finish_core(WORK(w), work_types);
         if (out == 1)
             Py_RETURN_TRUE;
         if (out < 0) { /* a library error: the work fails with it */
@@ -640,6 +835,136 @@ static PyObject *work_wait(PyObject *self, PyObject *args, PyObject *kwargs)
     return PyObject_CallFunctionObjArgs(slow_wait, w, timeout, NULL);
 }
 
+/* Whether ``(lo, hi, writes)`` spans ``a`` and ``b`` overlap where one of them writes
+ * (1), not (0), or an error (-1): the rule of ``mcrdl_core.engine.work.conflicts``. */
+static int span_pair(PyObject *a, PyObject *b)
+{
+    PyObject *x, *y;
+    int t;
+    if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) != 3 || !PyTuple_Check(b)
+        || PyTuple_GET_SIZE(b) != 3) {
+        PyErr_SetString(PyExc_TypeError, "mpi_fast: a span is a (lo, hi, writes) tuple");
+        return -1;
+    }
+    if ((t = PyObject_IsTrue(PyTuple_GET_ITEM(a, 2))) == 0)
+        t = PyObject_IsTrue(PyTuple_GET_ITEM(b, 2));
+    if (t <= 0)
+        return t;
+    x = PyTuple_GET_ITEM(a, 0); /* a.lo < b.hi and b.lo < a.hi */
+    y = PyTuple_GET_ITEM(b, 1);
+    if ((t = PyObject_RichCompareBool(x, y, Py_LT)) <= 0)
+        return t;
+    return PyObject_RichCompareBool(PyTuple_GET_ITEM(b, 0), PyTuple_GET_ITEM(a, 1), Py_LT);
+}
+
+/* Whether the memory of ``spans`` conflicts with that of a work in ``inflight`` (1),
+ * not (0), or an error (-1). */
+static int conflicts(PyObject *inflight, PyObject *spans)
+{
+    Py_ssize_t i, j, k;
+    int t = 0;
+    if (!PyTuple_Check(spans)) {
+        PyErr_SetString(PyExc_TypeError, "mpi_fast: spans are a tuple");
+        return -1;
+    }
+    for (i = 0; t == 0 && i < PyList_GET_SIZE(inflight); i++) {
+        PyObject *w = PyList_GET_ITEM(inflight, i), *ws, *seq;
+        if (PyObject_TypeCheck(w, &WorkType)) {
+            ws = WORK(w)->spans;
+            Py_XINCREF(ws);
+        } else {
+            Py_INCREF(w); /* (another thread may drop it from the list meanwhile) */
+            ws = PyObject_GetAttrString(w, "spans");
+            Py_DECREF(w);
+        }
+        if (ws == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue;
+        }
+        seq = PySequence_Fast(ws, "mpi_fast: a work's spans are a sequence");
+        Py_DECREF(ws);
+        if (seq == NULL)
+            return -1;
+        for (j = 0; t == 0 && j < PySequence_Fast_GET_SIZE(seq); j++)
+            for (k = 0; t == 0 && k < PyTuple_GET_SIZE(spans); k++)
+                t = span_pair(PySequence_Fast_GET_ITEM(seq, j), PyTuple_GET_ITEM(spans, k));
+        Py_DECREF(seq);
+    }
+    return t;
+}
+
+/* launch(op, group, issue, args, spans, keep, engine): an async fast-path call, issued
+ * and registered (``Backend.fast_launch``). None, with nothing issued, where the
+ * memory of ``spans`` conflicts with work in flight on ``engine`` or ``issue(*args)``
+ * refuses its arguments (returns False): the caller's general path orders or judges
+ * the call. Else the Work: a Work made here gets its fields set and is appended to
+ * ``engine.inflight``; anything else (the Python issuers' requests) goes to the Python
+ * launch ``set_work_classes`` named, as ``launch(op, group, req, spans, keep,
+ * engine)``. */
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    WorkObject *w;
+    PyObject *inflight, *req;
+    int rc;
+    if (nargs != 7 || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "launch(op, group, issue, args: tuple, spans, keep, engine)");
+        return NULL;
+    }
+    if ((inflight = PyObject_GetAttr(args[6], s_inflight)) == NULL)
+        return NULL;
+    if (!PyList_Check(inflight)) {
+        Py_DECREF(inflight);
+        PyErr_SetString(PyExc_TypeError, "mpi_fast.launch: engine.inflight is not a list");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(inflight) && (rc = conflicts(inflight, args[4])) != 0) {
+        Py_DECREF(inflight);
+        if (rc < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    req = PyObject_Call(args[2], args[3], NULL);
+    if (req == NULL || req == Py_False) {
+        Py_DECREF(inflight);
+        if (req == NULL)
+            return NULL;
+        Py_DECREF(req);
+        Py_RETURN_NONE;
+    }
+    if (!PyObject_TypeCheck(req, &WorkType)) {
+        PyObject *r, *call[6] = {args[0], args[1], req, args[4], args[5], args[6]};
+        Py_DECREF(inflight);
+        if (slow_launch == NULL) {
+            Py_DECREF(req);
+            PyErr_SetString(PyExc_RuntimeError, "mpi_fast: call set_work_classes first");
+            return NULL;
+        }
+        r = PyObject_Vectorcall(slow_launch, call, 6, NULL);
+        Py_DECREF(req);
+        return r;
+    }
+    w = WORK(req);
+    Py_INCREF(args[0]);
+    Py_XSETREF(w->op, args[0]);
+    Py_INCREF(args[1]);
+    Py_XSETREF(w->group, args[1]);
+    Py_INCREF(args[4]);
+    Py_XSETREF(w->spans, args[4]);
+    Py_INCREF(args[5]);
+    Py_XSETREF(w->keep, args[5]);
+    Py_INCREF(args[6]);
+    Py_XSETREF(w->engine, args[6]);
+    rc = PyList_Append(inflight, req);
+    Py_DECREF(inflight);
+    if (rc < 0) {
+        Py_DECREF(req);
+        return NULL;
+    }
+    return req;
+}
+
 /* spins(): how many waits spun in this module (a count for tests) */
 static PyObject *spin_count(PyObject *self, PyObject *args)
 {
@@ -647,7 +972,7 @@ static PyObject *spin_count(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef work_wait_def = {"wait", (PyCFunction)(void (*)(void))work_wait,
-                                    METH_VARARGS | METH_KEYWORDS,
+                                    METH_FASTCALL | METH_KEYWORDS,
                                     "wait(timeout=None): the fast path's Work wait"};
 
 /* library_version(): MPI_Get_library_version of the library this module is linked to */
@@ -670,22 +995,25 @@ static PyObject *world_handle(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"world_handle", world_handle, METH_NOARGS, "world_handle()"},
     {"library_version", library_version, METH_NOARGS, "library_version()"},
-    {"allreduce", allreduce, METH_VARARGS, "allreduce(comm, dtype, op, spin, ptr, count)"},
-    {"bcast", bcast, METH_VARARGS, "bcast(comm, dtype, root, spin, ptr, count)"},
-    {"reduce", reduce, METH_VARARGS,
+    {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL, "allreduce(comm, dtype, op, spin, ptr, count)"},
+    {"bcast", (PyCFunction)(void (*)(void))bcast, METH_FASTCALL, "bcast(comm, dtype, root, spin, ptr, count)"},
+    {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "reduce(comm, dtype, op, root, is_root, spin, ptr, count)"},
-    {"allgather", allgather, METH_VARARGS, "allgather(comm, dtype, spin, out, inp, count)"},
-    {"reduce_scatter", reduce_scatter, METH_VARARGS,
+    {"allgather", (PyCFunction)(void (*)(void))allgather, METH_FASTCALL, "allgather(comm, dtype, spin, out, inp, count)"},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))reduce_scatter, METH_FASTCALL,
      "reduce_scatter(comm, dtype, op, spin, out, inp, count)"},
-    {"alltoall", alltoall, METH_VARARGS, "alltoall(comm, dtype, spin, out, inp, count)"},
-    {"alltoallv", alltoallv, METH_VARARGS,
+    {"alltoall", (PyCFunction)(void (*)(void))alltoall, METH_FASTCALL, "alltoall(comm, dtype, spin, out, inp, count)"},
+    {"alltoallv", (PyCFunction)(void (*)(void))alltoallv, METH_FASTCALL,
      "alltoallv(comm, dtype, n, me, spin, out, out_count, out_rows, inp, in_count, in_rows, "
      "out_splits, in_splits)"},
-    {"send", send, METH_VARARGS, "send(comm, dtype, spin, ptr, count, peer, tag)"},
-    {"recv", recv, METH_VARARGS, "recv(comm, dtype, spin, ptr, count, peer, tag)"},
-    {"barrier", barrier, METH_VARARGS, "barrier(comm, spin)"},
+    {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL, "send(comm, dtype, spin, ptr, count, peer, tag)"},
+    {"recv", (PyCFunction)(void (*)(void))recv, METH_FASTCALL, "recv(comm, dtype, spin, ptr, count, peer, tag)"},
+    {"barrier", (PyCFunction)(void (*)(void))barrier, METH_FASTCALL, "barrier(comm, spin)"},
     {"set_work_classes", set_work_classes, METH_VARARGS,
-     "set_work_classes(work, recv_work, mpi_work_types, slow_wait)"},
+     "set_work_classes(work, recv_work, mpi_work_types, slow_wait, slow_launch)"},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
+     "launch(op, group, issue, args, spans, keep, engine): issue and register an async "
+     "call, or None"},
     {"spins", spin_count, METH_NOARGS, "spins()"},
     {NULL, NULL, 0, NULL}};
 
@@ -703,26 +1031,23 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
         return NULL;
     /* what mcrdl_backends.mpi expects: raise it when the functions or their arguments
      * change, so that a module built from an older source is refused, not misused */
-    if (PyModule_AddIntConstant(m, "VERSION", 4) < 0)
+    if (PyModule_AddIntConstant(m, "VERSION", 5) < 0)
         return NULL;
 #define INTERN(v, name) if ((v = PyUnicode_InternFromString(name)) == NULL) return NULL
-    INTERN(s_done, "done");
-    INTERN(s_error, "error");
-    INTERN(s_engine, "engine");
     INTERN(s_pending, "pending");
     INTERN(s_inflight, "inflight");
     INTERN(s_poll_lock, "poll_lock");
     INTERN(s_spin_s, "spin_s");
-    INTERN(s_req, "req");
-    INTERN(s_status, "status");
-    INTERN(s_finalizers, "finalizers");
-    INTERN(s_keep, "keep");
     INTERN(s_complete, "complete");
     INTERN(s_acquire, "acquire");
     INTERN(s_release, "release");
-    INTERN(s_counts, "counts");
 #undef INTERN
     if ((s_empty = PyTuple_New(0)) == NULL)
+        return NULL;
+    if (PyType_Ready(&WorkType) < 0)
+        return NULL;
+    Py_INCREF(&WorkType);
+    if (PyModule_AddObject(m, "Work", (PyObject *)&WorkType) < 0)
         return NULL;
     {
         PyObject *f = PyCFunction_New(&work_wait_def, NULL), *meth;

@@ -59,6 +59,7 @@ from ctypes import c_char as _c_char
 from ..base.dtypes import BY_NP
 from ..base.ops import Op, ReduceOp
 from ..engine.progress import spin as _spin
+from ..engine.work import conflicts as _conflicts
 from . import selection as _sel
 from . import validate as _v
 
@@ -276,16 +277,6 @@ def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
     if plan is None and buf is not None:
         plan = choice[key] = _plan_op(rt, *plan_args)
     return plan
-
-
-def _conflicts(inflight, spans) -> bool:
-    """Whether this call's memory conflicts with work in flight (RAW, WAR, WAW)."""
-    for w in inflight:
-        for a, b, wa in w.spans:
-            for c, d, wb in spans:
-                if (wa or wb) and a < d and c < b:
-                    return True
-    return False
 
 
 def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
@@ -512,10 +503,10 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
     return done  # (its ``value``: the source's global rank, see ``Backend.fast_work``)
 
 
-def barrier(rt, group, async_op, backend, probe):
+def barrier(rt, group, async_op, backend, probe, bind=None):
     """A barrier with nothing in flight on this rank (else MISS: the general path makes
     it wait for the group's earlier collectives). ``probe``: the general path's probe
-    buffer, which the first call of a key selects with."""
+    buffer, which the first call of a key selects with. ``bind``: the frontend's key."""
     if rt.observed or rt.engine.inflight:
         return MISS
     g = rt.group(group)
@@ -523,6 +514,8 @@ def barrier(rt, group, async_op, backend, probe):
                    (Op.BARRIER, g, probe, backend))
     if plan is None or plan[1] is None:
         return MISS
+    if bind is not None and bind not in rt.choices:
+        _bind(rt, bind, plan, Op.BARRIER, g, backend, (), _bind_barrier, async_op)
     return _run(rt, plan, Op.BARRIER, g, (), (), async_op, 0, 0, 0, 0, 0)
 
 
@@ -542,9 +535,10 @@ def barrier(rt, group, async_op, backend, probe):
 # group, input and output apart, and then either nothing in flight (blocking) or no
 # memory conflict with what is in flight (async). Where one fails the closure returns
 # MISS before anything is sent, and the frontend calls the entry above, which handles
-# that case (or the general path, which raises its error). What a bound call sends,
-# how a blocking one waits for a request still unfinished after the spin, and how an
-# async one registers its Work, is the entry's.
+# that case (or the general path, which raises its error). What a bound call sends
+# and how a blocking one waits for a request still unfinished after the spin is the
+# entry's; an async one is checked against the memory in flight, issued and
+# registered by the backend's ``fast_launch`` (bound with the closure).
 
 
 _KEYABLE = (int, str, ReduceOp, type(None))
@@ -563,28 +557,13 @@ def _bind(rt, bind, plan, op, g, backend, args, make, *make_args) -> None:
                             else None)
 
 
-def _issue_async(eng, be, op, g, issue, args, spans, keep):
-    """An async bound call: MISS if its memory conflicts with work in flight (the
-    general path orders it) or the issuer refuses its arguments; else its Work,
-    registered with the engine."""
-    inflight = eng.inflight
-    if inflight and _conflicts(inflight, spans):
-        return MISS
-    req = issue(*args)
-    if req is False:
-        return MISS
-    work = be.fast_work(op, g, req, spans, keep)
-    work.engine = eng
-    inflight.append(work)
-    return work
-
-
 def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
     """all_reduce (``codecs``: MCRDL_COMPRESSION applies; async steps aside while
     anything is in flight, as its entry does), broadcast, reduce:
     ``call(ptr, count, owner)``."""
     be, issue, _, blocking = plan
     eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     alone = not async_op or op is Op.ALL_REDUCE
 
     def call(ptr, count, owner):
@@ -593,8 +572,9 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
                 or (codecs and _ENV.get(_COMPRESSION))):
             return MISS
         if async_op:  # (spans: only the memory it touches; an empty span never conflicts)
-            return _issue_async(eng, be, op, g, issue, (ptr, count),
-                                ((ptr, ptr + count * isz, True),), (owner,))
+            work = launch(op, g, issue, (ptr, count), ((ptr, ptr + count * isz, True),),
+                          (owner,), eng)
+            return MISS if work is None else work
         left = blocking(eng.spin_s, ptr, count)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
@@ -608,6 +588,7 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
     ``call(out_ptr, out_count, in_ptr, in_count, owners)``."""
     be, issue, _, blocking = plan
     eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
 
     def call(out_ptr, out_count, in_ptr, in_count, owners):
@@ -619,8 +600,9 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
                 or _ENV.get(_COMPRESSION)):
             return MISS
         if async_op:
-            return _issue_async(eng, be, op, g, issue, (out_ptr, in_ptr, small),
-                                ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners)
+            work = launch(op, g, issue, (out_ptr, in_ptr, small),
+                          ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
+            return MISS if work is None else work
         left = blocking(eng.spin_s, out_ptr, in_ptr, small)
         if left is not None:
             be.fast_work(op, g, be.fast_request(left), ((in_ptr, in_end, False),
@@ -634,6 +616,7 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
     ``call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners)``."""
     be, issue, _, blocking = plan
     eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
 
     def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners):
@@ -645,8 +628,9 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
                 or _ENV.get(_COMPRESSION)):
             return MISS
         if async_op:
-            return _issue_async(eng, be, Op.ALL_TO_ALL, g, issue, (out_ptr, in_ptr, in_count // n),
-                                ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners)
+            work = launch(Op.ALL_TO_ALL, g, issue, (out_ptr, in_ptr, in_count // n),
+                          ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
+            return MISS if work is None else work
         left = blocking(eng.spin_s, out_ptr, in_ptr, in_count // n)
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
@@ -660,6 +644,7 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
     out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits, owners)``."""
     be, issue, _, blocking = plan
     eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
 
     def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits,
              owners):
@@ -671,8 +656,9 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
             return MISS
         args = (out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits)
         if async_op:
-            return _issue_async(eng, be, Op.ALL_TO_ALL, g, issue, args,
-                                ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners)
+            work = launch(Op.ALL_TO_ALL, g, issue, args,
+                          ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
+            return MISS if work is None else work
         left = blocking(eng.spin_s, *args)
         if left is None:
             return None
@@ -684,12 +670,37 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
     return call
 
 
+#: a barrier's spans, as ``_run`` gives them: it reads and writes no memory
+_NO_MEMORY = ((0, 0, False), (0, 0, True))
+
+
+def _bind_barrier(rt, g, plan, async_op):
+    """barrier: ``call()``, only with nothing in flight on this rank (as its entry)."""
+    be, issue, _, blocking = plan
+    eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
+
+    def call():
+        if (rt.unusable is not None or g.broken is not None or rt.observed or eng.inflight
+                or eng.pending or rt.logger.enabled):
+            return MISS
+        if async_op:
+            work = launch(Op.BARRIER, g, issue, (), _NO_MEMORY, (), eng)
+            return MISS if work is None else work
+        left = blocking(eng.spin_s)
+        if left is not None:  # not done within the spin: the engine's wait
+            be.fast_work(Op.BARRIER, g, be.fast_request(left), _NO_MEMORY, ()).wait()
+        return None
+    return call
+
+
 def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     """send, recv (``peer`` None: any source): ``call(ptr, count, tag, owner)``; a
     blocking receive returns the sender's global rank, an async one's Work has it as
     ``value``."""
     be, issue, _, blocking = plan
     eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     ranks = g.ranks
     receives = op is Op.RECV
 
@@ -700,8 +711,9 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
             return MISS
         end = ptr + count * isz
         if async_op:  # (a receive's Work has the source as ``value``)
-            return _issue_async(eng, be, op, g, issue, (ptr, count, peer, tag),
-                                ((ptr, end, receives),), (owner,))
+            work = launch(op, g, issue, (ptr, count, peer, tag), ((ptr, end, receives),),
+                          (owner,), eng)
+            return MISS if work is None else work
         left = blocking(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
             return None if left is None else ranks[left]

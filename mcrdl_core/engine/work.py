@@ -16,6 +16,18 @@ from .progress import engine as _engine
 from .faults import work_failed
 
 
+def conflicts(inflight, spans) -> bool:
+    """Whether memory ``spans`` (``((lo, hi, writes), ...)``) conflicts with that of a
+    work in ``inflight``: they overlap and one of the two writes (read after write,
+    write after read, write after write). Two reads of the same memory do not."""
+    for w in inflight:
+        for a, b, wa in w.spans:
+            for c, d, wb in spans:
+                if (wa or wb) and a < d and c < b:
+                    return True
+    return False
+
+
 def _failure(work):
     """The error to raise for a failed work (a library's is wrapped, and its group
     marked broken: see ``faults.work_failed``)."""

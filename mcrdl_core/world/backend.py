@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 
 from ..base.errors import BackendUnavailableError
+from ..engine.work import conflicts
 
 #: name -> "module:attribute" (or the class itself once registered by code)
 REGISTRY: dict[str, object] = {
@@ -161,6 +162,25 @@ class Backend:
         completes. A receive's Work tells its sender: ``source()``, its rank in
         ``group``, and once complete ``value``, its global rank (``Work.result()``)."""
         raise NotImplementedError
+
+    def fast_launch(self, op, group, issue, args, spans, keep, engine):
+        """An async fast-path call: ``issue(*args)``, its Work (as ``fast_work``
+        makes it) registered with the progress ``engine``. None, with nothing issued,
+        where its memory ``spans`` conflict with work in flight (``conflicts``) or the
+        issuer refuses its arguments (returns False): the general path then orders or
+        judges the call. The default does it in Python; a backend may offer a
+        compiled one (the MPI backend's is one C call), which the fast path binds once
+        per key."""
+        inflight = engine.inflight
+        if inflight and conflicts(inflight, spans):
+            return None
+        req = issue(*args)
+        if req is False:
+            return None
+        work = self.fast_work(op, group, req, spans, keep)
+        work.engine = engine
+        inflight.append(work)
+        return work
 
     def work_of(self, op, group, req, ptr, nbytes, owner):
         """The Work of a request ``fast_all_reduce``'s issuer made, in place on
