@@ -103,10 +103,10 @@ def available_backends() -> dict:
 # fastpath.py), then the core's fast path on the tensors' facts (address, elements, core
 # dtype: no Buffer is made), which binds the key; a MISS of both takes the general path,
 # which checks everything, raises its errors and fills the memo.
-_K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV = (
+_K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV, _K_BARRIER = (
     f"bound:torch.{name}" for name in ("send", "recv", "broadcast", "reduce", "all_reduce",
                                        "all_gather_into_tensor", "reduce_scatter_tensor",
-                                       "all_to_all_single", "all_to_all_single_v"))
+                                       "all_to_all_single", "all_to_all_single_v", "barrier"))
 
 
 def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
@@ -223,10 +223,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
                            backend=None, compression=None):
     out, inp = output_tensor, input_tensor
     if compression is None and type(out) in _PLAIN and type(inp) in _PLAIN and out.is_cpu \
-            and inp.is_cpu and out.dtype is inp.dtype and out.is_contiguous() \
+            and inp.is_cpu and out.dtype is (dt := inp.dtype) and out.is_contiguous() \
             and inp.is_contiguous():
         rt = _rt()
-        key = (_K_AG, inp.dtype, group, backend, async_op)
+        key = (_K_AG, dt, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
@@ -235,7 +235,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
             done = bound(out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), (out, inp))
             if done is not _MISS:
                 return done
-        dtype = _DTYPES.get(inp.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
             done = _fp.all_gather(rt, out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(),
                                   dtype, (out, inp), group, async_op, backend, None, key)
@@ -254,10 +254,10 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
                           backend=None, compression=None):
     if compression is None and type(output) in _PLAIN and type(input) in _PLAIN \
-            and output.is_cpu and input.is_cpu and output.dtype is input.dtype \
+            and output.is_cpu and input.is_cpu and output.dtype is (dt := input.dtype) \
             and output.is_contiguous() and input.is_contiguous():
         rt = _rt()
-        key = (_K_RS, input.dtype, op, group, backend, async_op)
+        key = (_K_RS, dt, op, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
@@ -267,7 +267,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                          (output, input))
             if done is not _MISS:
                 return done
-        dtype = _DTYPES.get(input.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
             done = _fp.reduce_scatter(rt, output.data_ptr(), output.numel(), input.data_ptr(),
                                       input.numel(), dtype, (output, input), op, group,
@@ -278,46 +278,43 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                                        compression)
 
 
-def _rows(t, count: int) -> int:
-    """dim 0 of ``t`` (1 for a scalar): a 1-D tensor's is its count, read for free."""
-    d = t.dim()
-    return count if d == 1 else (t.shape[0] if d else 1)
-
-
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op: bool = False, backend=None, compression=None):
     if compression is None and type(output) in _PLAIN and type(input) in _PLAIN \
-            and output.is_cpu and input.is_cpu and output.dtype is input.dtype \
+            and output.is_cpu and input.is_cpu and output.dtype is (dt := input.dtype) \
             and output.is_contiguous() and input.is_contiguous():
         rt = _rt()
         oc, ic = output.numel(), input.numel()
+        # dim 0 (1 for a scalar): a 1-D tensor's is its count (inline: len() is Python code)
+        orows = oc if (od := output.dim()) == 1 else (output.shape[0] if od else 1)
+        irows = ic if (idim := input.dim()) == 1 else (input.shape[0] if idim else 1)
         if not output_split_sizes and not input_split_sizes:  # even (as the core judges)
-            key = (_K_A2A, input.dtype, group, backend, async_op)
+            key = (_K_A2A, dt, group, backend, async_op)
             try:
                 bound = rt.choices.get(key)
             except TypeError:  # an unhashable argument: the general path judges it
                 bound = key = None
             if bound is not None:
-                done = bound(output.data_ptr(), oc, _rows(output, oc), input.data_ptr(), ic,
-                             _rows(input, ic), (output, input))
+                done = bound(output.data_ptr(), oc, orows, input.data_ptr(), ic, irows,
+                             (output, input))
                 if done is not _MISS:
                     return done
         else:
-            key = (_K_A2AV, input.dtype, group, backend, async_op)
+            key = (_K_A2AV, dt, group, backend, async_op)
             try:
                 bound = rt.choices.get(key)
             except TypeError:  # an unhashable argument: the general path judges it
                 bound = key = None
             if bound is not None:
-                done = bound(output.data_ptr(), oc, _rows(output, oc), input.data_ptr(), ic,
-                             _rows(input, ic), output_split_sizes or None,
-                             input_split_sizes or None, (output, input))
+                done = bound(output.data_ptr(), oc, orows, input.data_ptr(), ic, irows,
+                             output_split_sizes or None, input_split_sizes or None,
+                             (output, input))
                 if done is not _MISS:
                     return done
-        dtype = _DTYPES.get(input.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.all_to_all(rt, output.data_ptr(), oc, _rows(output, oc), input.data_ptr(),
-                                  ic, _rows(input, ic), dtype, (output, input),
+            done = _fp.all_to_all(rt, output.data_ptr(), oc, orows, input.data_ptr(), ic,
+                                  irows, dtype, (output, input),
                                   output_split_sizes, input_split_sizes, group, async_op,
                                   backend, None, key)
             if done is not _MISS:
@@ -345,7 +342,17 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, backend=None):
-    done = _fp.barrier(_rt(), group, async_op, backend, None)
+    rt = _rt()
+    key = (_K_BARRIER, group, backend, async_op)
+    try:
+        bound = rt.choices.get(key)
+    except TypeError:  # an unhashable argument: the general path judges it
+        bound = key = None
+    if bound is not None:
+        done = bound()
+        if done is not _MISS:
+            return done
+    done = _fp.barrier(rt, group, async_op, backend, None, key)
     if done is not _MISS:
         return done
     return _core.barrier(group, async_op, backend)

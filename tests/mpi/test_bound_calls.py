@@ -478,3 +478,43 @@ def test_unhashable_arguments_get_the_general_paths_error():
         with pytest.raises(InvalidArgumentError):
             dist.all_reduce(t, op=["sum"], backend="mpi")
     np.testing.assert_array_equal(t.numpy(), values(RANK, 3, F).numpy())
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_bound_barrier_waits_for_every_rank_and_steps_aside_for_work_in_flight(
+        monkeypatch, async_op):
+    """A barrier's key is bound like the collectives' (its later calls skip the regular
+    entry); it returns on no rank before the last one has entered it; with an async
+    all-reduce in flight it steps aside, and the general path's barrier completes only
+    once that all-reduce has, so its result is in place when the barrier returns."""
+    from mcrdl_core.dispatch import fastpath
+    key = ("bound:torch.barrier", None, "mpi", async_op)
+
+    def barrier():
+        w = dist.barrier(backend="mpi", async_op=async_op)
+        if async_op:
+            assert isinstance(w, dist.Work) and w.wait() and w.is_completed()
+        else:
+            assert w is None
+
+    for _ in range(3):  # the general path, the regular entry (binds), the closure
+        barrier()
+    assert mcrdl_core.get_runtime().choices.get(key) is not None
+
+    def refuse(*a, **k):
+        raise AssertionError("a bound barrier took the regular entry")
+    monkeypatch.setattr(fastpath, "barrier", refuse)
+    for _ in range(2):
+        if RANK == SIZE - 1:
+            time.sleep(0.3)
+        start = time.monotonic()
+        barrier()
+        if RANK != SIZE - 1:  # it cannot return before the last rank entered it
+            assert time.monotonic() - start > 0.2
+    monkeypatch.undo()
+    t = values(RANK, 3, F, 9)
+    w = dist.all_reduce(t, dist.ReduceOp.MAX, async_op=True, backend="mpi")
+    barrier()
+    np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, 9).max(0))
+    w.wait()
+    assert not mcrdl_core.get_runtime().engine.inflight
