@@ -285,10 +285,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             and output.is_contiguous() and input.is_contiguous():
         rt = _rt()
         oc, ic = output.numel(), input.numel()
-        # dim 0 (1 for a scalar): a 1-D tensor's is its count (inline: len() is Python code)
-        orows = oc if (od := output.dim()) == 1 else (output.shape[0] if od else 1)
-        irows = ic if (idim := input.dim()) == 1 else (input.shape[0] if idim else 1)
+        # dim 0 (1 for a scalar), inline (len() is Python code): the even form's
+        # tensors are often 1-D, whose dim 0 is the count; the split form's 2-D, rows
         if not output_split_sizes and not input_split_sizes:  # even (as the core judges)
+            orows = oc if (od := output.dim()) == 1 else (output.shape[0] if od else 1)
+            irows = ic if (idim := input.dim()) == 1 else (input.shape[0] if idim else 1)
             key = (_K_A2A, dt, group, backend, async_op)
             try:
                 bound = rt.choices.get(key)
@@ -300,6 +301,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                 if done is not _MISS:
                     return done
         else:
+            orows = shape[0] if (shape := output.shape) else 1
+            irows = shape[0] if (shape := input.shape) else 1
             key = (_K_A2AV, dt, group, backend, async_op)
             try:
                 bound = rt.choices.get(key)

@@ -654,12 +654,13 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
                 or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
                 or _ENV.get(_COMPRESSION)):
             return MISS
-        args = (out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits)
         if async_op:
-            work = launch(Op.ALL_TO_ALL, g, issue, args,
+            work = launch(Op.ALL_TO_ALL, g, issue, (out_ptr, out_count, out_rows, in_ptr,
+                                                    in_count, in_rows, out_splits, in_splits),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
             return MISS if work is None else work
-        left = blocking(eng.spin_s, *args)
+        left = blocking(eng.spin_s, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows,
+                        out_splits, in_splits)
         if left is None:
             return None
         if left is False:
