@@ -21,6 +21,7 @@ from ..base.errors import (BackendUnavailableError, BrokenGroupError, CommFailed
                            InvalidArgumentError, NotInitializedError)
 from ..engine import faults as _faults
 from ..engine.progress import engine as _engine
+from ..engine.work import conflicts as _conflicts
 from ..observe.logger import logger as comm_logger
 from ..world import bootstrap as _bootstrap
 from ..world.backend import REGISTRY, backend_class
@@ -271,9 +272,7 @@ class Runtime:
             return ()
         spans = [(*b.span(), False) for b in reads] + [(*b.span(), True) for b in writes]
         if inflight:
-            hazards = [w for w in inflight
-                       if any((wa or wb) and a < d and c < b
-                              for a, b, wa in w.spans for c, d, wb in spans)]
+            hazards = [w for w in inflight if _conflicts((w,), spans)]
             if hazards:
                 self.engine.wait(hazards)
         return spans
