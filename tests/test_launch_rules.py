@@ -113,3 +113,41 @@ def test_the_compiled_launch_hands_other_requests_to_the_python_one(monkeypatch)
     with pytest.raises(TypeError, match="derive from mpi_fast.Work"):
         c.set_work_classes(mpi_backend.MPIWork, mpi_backend._FastRecvWork,
                            mpi_backend._MPI_WORKS, mpi_backend.MPIWork.wait, mpi_backend._launch)
+
+
+def test_without_the_compiled_module_the_python_fields_and_launch_serve(tmp_path):
+    """Where mpi_fast cannot be imported, the fast path's Works take their fields from
+    ``_PyWorkFields`` and register through the Python ``Backend.fast_launch``: async
+    and blocking calls on one rank still give NumPy's results and leave nothing in
+    flight (a separate interpreter, with the module's import made to fail)."""
+    import subprocess
+    import sys
+    code = r'''
+import sys
+sys.modules["mcrdl_backends.mpi_fast"] = None  # the import fails: not built
+import numpy as np, torch
+import mcrdl_core, mcrdl_torch as dist
+from mcrdl_backends import mpi
+assert mpi.mpi_fast is None and mpi._WorkFields is mpi._PyWorkFields
+dist.init_process_group(backend="mpi")
+be = mcrdl_core.get_runtime().backend("mpi")
+assert be.fast_launch.__func__ is mpi.Backend.fast_launch
+for _ in range(3):
+    t = torch.arange(4, dtype=torch.float32)
+    dist.all_reduce(t, backend="mpi", async_op=True).wait()
+    assert t.tolist() == [0, 1, 2, 3]
+    out = torch.zeros(4)
+    w = dist.all_to_all_single(out, torch.arange(4.0), [4], [4], backend="mpi", async_op=True)
+    w.wait()
+    assert out.tolist() == [0, 1, 2, 3]
+    r = torch.zeros(3)
+    wr = dist.irecv(r, 0, tag=5, backend="mpi")
+    ws = dist.isend(torch.ones(3), 0, tag=5, backend="mpi")
+    ws.wait(); assert wr.result() == 0 and r.tolist() == [1, 1, 1]
+    dist.barrier(backend="mpi", async_op=True).wait()
+assert not mcrdl_core.get_runtime().engine.inflight
+print("ok")
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
