@@ -34,7 +34,15 @@ $(FAST): $(STAMP) backends/mpi_fast.c backends/build.py
 	$(PY) -m mcrdl_backends.build
 	touch $(FAST)
 
-install: $(STAMP) $(FAST)
+# the torch frontend's tensor facts in C++ (frontends/torch/facts.cpp), against the venv's
+# torch; optional: without a C++ compiler the frontend reads them from Python (a note
+# says so), rebuilt when its source changes
+FACTS := $(VENV)/.mcrdl-torch-facts
+$(FACTS): $(STAMP) frontends/torch/facts.cpp frontends/torch/build.py
+	$(PY) -m mcrdl_torch.build || echo "note: mcrdl_torch.tensor_facts not built; the torch frontend reads tensor facts from Python" >&2
+	touch $(FACTS)
+
+install: $(STAMP) $(FAST) $(FACTS)
 
 # tune on 2 local ranks (short size range), then bench auto against each backend
 demo: install

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import mpi4py
+
+from mcrdl_core.tools.compile import compile_into, main
 
 SOURCE = Path(__file__).with_name("mpi_fast.c")
 
@@ -46,29 +46,11 @@ def build(quiet: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no mpicc found: install the mpich wheel (pip install mpich) or "
                            "set MPICC to your MPI's compiler wrapper")
-    out = target()
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter",
-           "-I" + sysconfig.get_paths()["include"], "-I" + mpi4py.get_include(), str(SOURCE),
-           "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
-                               f"{done.stdout}{done.stderr}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    if not quiet:
-        print(f"built {out} with {cc}")
-    return out
+    return compile_into(lambda tmp: [
+        cc, "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter",
+        "-I" + sysconfig.get_paths()["include"], "-I" + mpi4py.get_include(), str(SOURCE),
+        "-o", tmp], SOURCE, target(), quiet)
 
 
 if __name__ == "__main__":
-    try:
-        build()
-    except RuntimeError as exc:
-        sys.exit(str(exc))
+    main(build)

@@ -30,6 +30,7 @@ from mcrdl_core.base.errors import InvalidArgumentError
 from mcrdl_core.dispatch import fastpath as _fp
 from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
+from .facts import one as _one, two as _two
 from .tensors import MISS as _MISS
 from .tensors import DTYPES as _DTYPES
 from .tensors import PLAIN as _PLAIN
@@ -110,21 +111,22 @@ _K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV, _K_
 
 
 def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
-    if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+    if type(tensor) in _PLAIN and (facts := _one(tensor)) is not None:
+        ptr, count = facts
         rt = _rt()
-        key = (kind, tensor.dtype, peer, group, backend, async_op)
+        key = (kind, dt := tensor.dtype, peer, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
             bound = key = None
         if bound is not None:
-            done = bound(tensor.data_ptr(), tensor.numel(), tag, tensor)
+            done = bound(ptr, count, tag, tensor)
             if done is not _MISS:
                 return done
-        dtype = _DTYPES.get(tensor.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = fast(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor, peer, tag, group,
-                        async_op, backend, None, key)
+            done = fast(rt, ptr, count, dtype, tensor, peer, tag, group, async_op, backend, None,
+                        key)
             if done is not _MISS:
                 return done
     return general(_b(tensor), peer, group, tag, async_op, backend)
@@ -148,21 +150,22 @@ def irecv(tensor, src: int | None = None, group=None, tag: int = 0, backend=None
 
 # --- collectives ---------------------------------------------------------------------------
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=None):
-    if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+    if type(tensor) in _PLAIN and (facts := _one(tensor)) is not None:
+        ptr, count = facts
         rt = _rt()
-        key = (_K_BCAST, tensor.dtype, src, group, backend, async_op)
+        key = (_K_BCAST, dt := tensor.dtype, src, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
             bound = key = None
         if bound is not None:
-            done = bound(tensor.data_ptr(), tensor.numel(), tensor)
+            done = bound(ptr, count, tensor)
             if done is not _MISS:
                 return done
-        dtype = _DTYPES.get(tensor.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.broadcast(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor, src,
-                                 group, async_op, backend, None, key)
+            done = _fp.broadcast(rt, ptr, count, dtype, tensor, src, group, async_op, backend,
+                                 None, key)
             if done is not _MISS:
                 return done
     return _core.broadcast(_b(tensor), src, group, async_op, backend)
@@ -170,22 +173,22 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, backend=
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, backend=None,
                compression=None):
-    if compression is None and type(tensor) in _PLAIN and tensor.is_cpu \
-            and tensor.is_contiguous():
+    if compression is None and type(tensor) in _PLAIN and (facts := _one(tensor)) is not None:
+        ptr, count = facts
         rt = _rt()
-        key = (_K_AR, tensor.dtype, op, group, backend, async_op)
+        key = (_K_AR, dt := tensor.dtype, op, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
             bound = key = None
         if bound is not None:
-            done = bound(tensor.data_ptr(), tensor.numel(), tensor)
+            done = bound(ptr, count, tensor)
             if done is not _MISS:
                 return done
-        dtype = _DTYPES.get(tensor.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.host_all_reduce(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor,
-                                       op, group, async_op, backend, None, key)
+            done = _fp.host_all_reduce(rt, ptr, count, dtype, tensor, op, group, async_op,
+                                       backend, None, key)
             if done is not _MISS:
                 return done
     return _core.all_reduce(_b(tensor), op, group, async_op, backend, compression)
@@ -193,21 +196,22 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, back
 
 def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = False,
            backend=None):
-    if type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+    if type(tensor) in _PLAIN and (facts := _one(tensor)) is not None:
+        ptr, count = facts
         rt = _rt()
-        key = (_K_REDUCE, tensor.dtype, dst, op, group, backend, async_op)
+        key = (_K_REDUCE, dt := tensor.dtype, dst, op, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
             bound = key = None
         if bound is not None:
-            done = bound(tensor.data_ptr(), tensor.numel(), tensor)
+            done = bound(ptr, count, tensor)
             if done is not _MISS:
                 return done
-        dtype = _DTYPES.get(tensor.dtype)
+        dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.reduce(rt, tensor.data_ptr(), tensor.numel(), dtype, tensor, dst, op,
-                              group, async_op, backend, None, key)
+            done = _fp.reduce(rt, ptr, count, dtype, tensor, dst, op, group, async_op, backend,
+                              None, key)
             if done is not _MISS:
                 return done
     return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
@@ -222,23 +226,23 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False,
                            backend=None, compression=None):
     out, inp = output_tensor, input_tensor
-    if compression is None and type(out) in _PLAIN and type(inp) in _PLAIN and out.is_cpu \
-            and inp.is_cpu and out.dtype is (dt := inp.dtype) and out.is_contiguous() \
-            and inp.is_contiguous():
+    if compression is None and type(out) in _PLAIN and type(inp) in _PLAIN \
+            and (facts := _two(out, inp)) is not None:
+        out_ptr, out_count, _, in_ptr, in_count, _ = facts
         rt = _rt()
-        key = (_K_AG, dt, group, backend, async_op)
+        key = (_K_AG, dt := inp.dtype, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
             bound = key = None
         if bound is not None:
-            done = bound(out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), (out, inp))
+            done = bound(out_ptr, out_count, in_ptr, in_count, (out, inp))
             if done is not _MISS:
                 return done
         dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.all_gather(rt, out.data_ptr(), out.numel(), inp.data_ptr(), inp.numel(),
-                                  dtype, (out, inp), group, async_op, backend, None, key)
+            done = _fp.all_gather(rt, out_ptr, out_count, in_ptr, in_count, dtype, (out, inp),
+                                  group, async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.all_gather_into_tensor(_b(output_tensor), _b(input_tensor), group, async_op,
@@ -254,24 +258,22 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
                           backend=None, compression=None):
     if compression is None and type(output) in _PLAIN and type(input) in _PLAIN \
-            and output.is_cpu and input.is_cpu and output.dtype is (dt := input.dtype) \
-            and output.is_contiguous() and input.is_contiguous():
+            and (facts := _two(output, input)) is not None:
+        out_ptr, out_count, _, in_ptr, in_count, _ = facts
         rt = _rt()
-        key = (_K_RS, dt, op, group, backend, async_op)
+        key = (_K_RS, dt := input.dtype, op, group, backend, async_op)
         try:
             bound = rt.choices.get(key)
         except TypeError:  # an unhashable argument: the general path judges it
             bound = key = None
         if bound is not None:
-            done = bound(output.data_ptr(), output.numel(), input.data_ptr(), input.numel(),
-                         (output, input))
+            done = bound(out_ptr, out_count, in_ptr, in_count, (output, input))
             if done is not _MISS:
                 return done
         dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.reduce_scatter(rt, output.data_ptr(), output.numel(), input.data_ptr(),
-                                      input.numel(), dtype, (output, input), op, group,
-                                      async_op, backend, None, key)
+            done = _fp.reduce_scatter(rt, out_ptr, out_count, in_ptr, in_count, dtype,
+                                      (output, input), op, group, async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.reduce_scatter_tensor(_b(output), _b(input), op, group, async_op, backend,
@@ -281,45 +283,36 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op: bool = False, backend=None, compression=None):
     if compression is None and type(output) in _PLAIN and type(input) in _PLAIN \
-            and output.is_cpu and input.is_cpu and output.dtype is (dt := input.dtype) \
-            and output.is_contiguous() and input.is_contiguous():
+            and (facts := _two(output, input)) is not None:
+        out_ptr, oc, orows, in_ptr, ic, irows = facts
         rt = _rt()
-        oc, ic = output.numel(), input.numel()
-        # dim 0 (1 for a scalar), inline (len() is Python code): the even form's
-        # tensors are often 1-D, whose dim 0 is the count; the split form's 2-D, rows
+        dt = input.dtype
         if not output_split_sizes and not input_split_sizes:  # even (as the core judges)
-            orows = oc if (od := output.dim()) == 1 else (output.shape[0] if od else 1)
-            irows = ic if (idim := input.dim()) == 1 else (input.shape[0] if idim else 1)
             key = (_K_A2A, dt, group, backend, async_op)
             try:
                 bound = rt.choices.get(key)
             except TypeError:  # an unhashable argument: the general path judges it
                 bound = key = None
             if bound is not None:
-                done = bound(output.data_ptr(), oc, orows, input.data_ptr(), ic, irows,
-                             (output, input))
+                done = bound(out_ptr, oc, orows, in_ptr, ic, irows, (output, input))
                 if done is not _MISS:
                     return done
         else:
-            orows = shape[0] if (shape := output.shape) else 1
-            irows = shape[0] if (shape := input.shape) else 1
             key = (_K_A2AV, dt, group, backend, async_op)
             try:
                 bound = rt.choices.get(key)
             except TypeError:  # an unhashable argument: the general path judges it
                 bound = key = None
             if bound is not None:
-                done = bound(output.data_ptr(), oc, orows, input.data_ptr(), ic, irows,
-                             output_split_sizes or None, input_split_sizes or None,
-                             (output, input))
+                done = bound(out_ptr, oc, orows, in_ptr, ic, irows, output_split_sizes or None,
+                             input_split_sizes or None, (output, input))
                 if done is not _MISS:
                     return done
         dtype = _DTYPES.get(dt)
         if dtype is not None:
-            done = _fp.all_to_all(rt, output.data_ptr(), oc, orows, input.data_ptr(), ic,
-                                  irows, dtype, (output, input),
-                                  output_split_sizes, input_split_sizes, group, async_op,
-                                  backend, None, key)
+            done = _fp.all_to_all(rt, out_ptr, oc, orows, in_ptr, ic, irows, dtype,
+                                  (output, input), output_split_sizes, input_split_sizes, group,
+                                  async_op, backend, None, key)
             if done is not _MISS:
                 return done
     return _core.all_to_all_single(_b(output), _b(input), output_split_sizes, input_split_sizes,

@@ -479,6 +479,14 @@ def cmd_info(args) -> int:
                                    if fast_module() is not None else
                                    "mpi4py issuers: " + (why if mod is None else
                                                          "MCRDL_MPI_FAST is off")))
+    try:
+        facts = load_attr("mcrdl_torch.facts:compiled")
+    except ImportError:  # no torch here: no torch frontend to report on
+        facts = None
+    if facts is not None:
+        mod, why = facts()
+        print("torch tensor facts: " + ("compiled (mcrdl_torch.tensor_facts)" if mod is not None
+                                        else "read from Python: " + why))
     reason = device_reason()
     print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
     print(_conditions_now(bs))
