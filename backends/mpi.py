@@ -98,7 +98,6 @@ except ImportError as _exc:
     mpi_fast, _NOT_BUILT = None, f"not built ({_exc}): run python -m mcrdl_backends.build"
 
 
-
 class _PyWorkFields:
     """What ``mpi_fast.Work`` holds in the object, as class defaults: the base of the
     fast path's Works where the compiled module is not built (or is another version)."""
