@@ -77,11 +77,15 @@ def test_a_module_for_another_torch_is_refused(monkeypatch):
 
 
 def test_build_writes_the_module_for_this_torch():
+    """Where a C++ compiler is found the module is in use: ``make install`` built it,
+    or this test builds it (25-30 s, so not again where it is in use already)."""
     if build.compiler() is None:
         pytest.skip("no C++ compiler")
-    path = build.build(quiet=True)
-    assert path == build.target() and path.exists()
-    assert not list(path.parent.glob("tmp*.so")), "a temporary file was left behind"
+    if facts.compiled()[0] is None:
+        path = build.build(quiet=True)
+        assert not list(path.parent.glob("tmp*.so")), "a temporary file was left behind"
+    path = build.target()
+    assert path.exists()
     out = subprocess.run([sys.executable, "-c", "from mcrdl_torch import facts; "
                           "m, why = facts.compiled(); print(m is not None, why, "
                           "facts.two is m.two)"],
