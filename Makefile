@@ -42,7 +42,15 @@ $(FACTS): $(STAMP) frontends/torch/facts.cpp frontends/torch/build.py
 	$(PY) -m mcrdl_torch.build || echo "note: mcrdl_torch.tensor_facts not built; the torch frontend reads tensor facts from Python" >&2
 	touch $(FACTS)
 
-install: $(STAMP) $(FAST) $(FACTS)
+# the host codecs' inner loops in C (mcrdl_core/compress/codec_kernels.c), a plain shared
+# library loaded with ctypes; optional: without a C compiler the int8/fp8/fp16 codecs run
+# their NumPy path (the same bytes, slower), rebuilt when its source changes
+KERNELS := $(VENV)/.mcrdl-codec-kernels
+$(KERNELS): $(STAMP) mcrdl_core/compress/codec_kernels.c mcrdl_core/tools/build_codecs.py
+	$(PY) -m mcrdl_core.tools.build_codecs || echo "note: codec kernels not built; the int8/fp8/fp16 codecs run their NumPy path" >&2
+	touch $(KERNELS)
+
+install: $(STAMP) $(FAST) $(FACTS) $(KERNELS)
 
 # tune on 2 local ranks (short size range), then bench auto against each backend
 demo: install

@@ -103,6 +103,10 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "small MPI calls issue and poll through the compiled module "
         "(`python -m mcrdl_backends.build`, run by `make install`) where it is built; off: "
         "through mpi4py", _bool),
+    Var("MCRDL_CODEC_KERNELS", "bool", True, "on",
+        "the int8, fp8 and fp16 codecs encode and decode float32 host arrays through the "
+        "compiled kernels (`python -m mcrdl_core.tools.build_codecs`, run by `make "
+        "install`) where they are built; off: through NumPy/torch (the same bytes)", _bool),
     Var("MCRDL_COMM_LOG", "bool", False, "off",
         "turn the comm logger on ([docs/logger.md](docs/logger.md))", _bool),
     Var("MCRDL_MPI_CUDA_AWARE", "bool", None, "asked of the library",

@@ -47,6 +47,7 @@ import sys
 import numpy as np
 
 from ..base.errors import InvalidArgumentError, McrdlError, UnsupportedError
+from . import native as _native
 
 
 class NonFiniteError(McrdlError, ValueError):
@@ -354,6 +355,15 @@ class FP16(_Blocked):
         if xp is not np:
             _host_nans(h, x2, xp)
 
+    def _encode(self, x, out) -> None:
+        if not _native.fp16_encode(x, out, self.nblocks(x.shape[0]), self.block):
+            super()._encode(x, out)
+
+    def _decode(self, enc, out) -> bool:
+        if not _native.fp16_decode(enc, out, self.nblocks(out.shape[0]), self.block):
+            return super()._decode(enc, out)
+        return True
+
     def _decode_rows(self, words, payload, out2) -> None:
         xp = _xp(out2)
         k = words.view(np.int32)
@@ -502,6 +512,23 @@ class _AbsmaxScaled(_Blocked):
     word (its scale comes from its finite values); subclasses reserve codes for them."""
 
     LEVELS = 0
+    #: the compiled kernel's kind for this codec (``native.absmax_encode``); None: none
+    NATIVE: int | None = None
+
+    def _encode(self, x, out) -> None:
+        L = self.LEVELS
+        if self.NATIVE is None or not _native.absmax_encode(
+                x, out, self.nblocks(x.shape[0]), self.block, L, 128 - (2 * L).bit_length(),
+                self.NATIVE):
+            super()._encode(x, out)
+
+    def _decode(self, enc, out) -> bool:
+        L = self.LEVELS
+        if self.NATIVE is None or not _native.absmax_decode(
+                enc, out, self.nblocks(out.shape[0]), self.block, L, L.bit_length() + 1,
+                self.NATIVE):
+            return super()._decode(enc, out)
+        return True
 
     def _factors(self, x2, words):
         """The per-row scaling of ``x2``: ``(inv, r, e, slow, bad)``, where finite values
@@ -587,6 +614,7 @@ class Int8(_IntQ):
 
     kind = "int8"
     LEVELS = 126
+    NATIVE = 0
     NAN, NINF, PINF = -128, -127, 127
     typical_error = 8e-3
 
@@ -761,6 +789,7 @@ class FP8(_AbsmaxScaled):
 
     kind = "fp8"
     LEVELS = 416
+    NATIVE = 1
     PINF, NINF, NAN = 0x7E, 0xFE, 0x7F  # +448, -448, NaN
     typical_error = 2.6e-2
 

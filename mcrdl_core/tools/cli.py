@@ -27,6 +27,7 @@ from ..base.errors import McrdlError
 from ..algorithms import hier as _hier
 from ..base.ops import Op, ReduceOp
 from ..cluster.command import add_parser as add_cluster_parser
+from ..compress import native as _native
 from ..compress.spec import make_codec
 from ..dispatch.runtime import init
 from ..dispatch.selection import TuningTable
@@ -487,6 +488,11 @@ def cmd_info(args) -> int:
         mod, why = facts()
         print("torch tensor facts: " + ("compiled (mcrdl_torch.tensor_facts)" if mod is not None
                                         else "read from Python: " + why))
+    lib, why = _native.library()
+    print("codec kernels: " + ("compiled (mcrdl_core/compress/codec_kernels.so)"
+                               if _native.active() is not None else
+                               "NumPy path: " + (why if lib is None else
+                                                 "MCRDL_CODEC_KERNELS is off")))
     reason = device_reason()
     print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
     print(_conditions_now(bs))

@@ -1,0 +1,244 @@
+/* The host codecs' inner loops in C: int8, fp8 (e4m3) and fp16 on float32 data.
+
+   Plain C with no Python headers: mcrdl_core/compress/native.py loads the built library
+   with ctypes, and `python -m mcrdl_core.compress.build` (run by `make install`)
+   compiles it. Each entry point does, block by block, what the NumPy code of
+   codecs.py does array by array, with the same float32 arithmetic in the same order, so
+   the bytes and the decoded values are identical (tests/test_codec_kernels.py checks
+   this against the Python path). Where a block needs that code's slower branches (a
+   NaN or Inf in it, a maximum in float32's subnormals, a scale outside float32's normal
+   range), the entry point returns 1 and the caller runs the Python path for the whole
+   call, which rewrites every byte: the rare inputs keep one implementation.
+
+   Why: the NumPy/torch path makes 4-6 passes over memory per block (maximum and
+   minimum, the product, the rounding, the cast), each through a temporary; here each
+   block of 128-1024 values is read twice while it sits in L1. Where four ranks share
+   two cores, encoding is on the critical path of a compressed all-to-all.
+
+   Build flags matter for the "same bits" claim: -ffp-contract=off (no fused
+   multiply-add), no -ffast-math. Rounding to nearest even uses the 1.5 * 2^23 trick,
+   exact for |y| < 2^22 in the default rounding mode. */
+#include <stdint.h>
+#include <string.h>
+
+#define KERNELS_VERSION 1
+
+/* Compile each entry point for AVX2 and for the x86-64 baseline, chosen at load. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+#define FLAG 0x80000000u
+#define EXP_BIAS 1100
+#define E4M3_MIN_NORMAL_BITS 0x3C800000u /* 2^-6 */
+#define MAGIC 12582912.0f                 /* 1.5 * 2^23 */
+
+int mcrdl_codec_kernels_version(void) { return KERNELS_VERSION; }
+
+static inline uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* 2^k as a double, for k in float32's exponent range (exact). */
+static inline double pow2(int k)
+{
+    uint64_t u = (uint64_t)(k + 1023) << 52;
+    double d;
+    memcpy(&d, &u, 8);
+    return d;
+}
+
+/* The largest |x| of a block as float32 bits (bit patterns of non-negative floats
+   order as their values; NaN and Inf sort above every finite one). */
+static inline uint32_t absmax_bits(const uint32_t *xu, int64_t len)
+{
+    uint32_t mx = 0;
+    for (int64_t i = 0; i < len; i++) {
+        uint32_t a = xu[i] & 0x7FFFFFFFu;
+        mx = a > mx ? a : mx;
+    }
+    return mx;
+}
+
+/* codecs._AbsmaxScaled._factors for one block whose largest magnitude has float32 bits
+   `mx`: the scale word and the float32 factor LEVELS / amax'. 1: the block needs the
+   Python path (non-finite, subnormal maximum, or a factor outside float32's normal
+   range: `kmax` is 128 - bit_length(2 * LEVELS), as _row_factor clips). */
+static inline int absmax_factor(uint32_t mx, int levels, int kmax, uint32_t *word, float *inv)
+{
+    if (mx >= 0x7F800000u)
+        return 1;
+    if (mx == 0) {
+        *word = 0;
+        *inv = 0.0f;
+        return 0;
+    }
+    uint32_t ef = mx >> 23;
+    if (ef == 0)
+        return 1;
+    int e = (int)ef - 126;                     /* amax = m * 2^e, m in [0.5, 1) */
+    uint32_t frac = (mx & 0x7FFFFFu) >> 4;     /* m's 19 bits after its leading one */
+    double m = 0.5 + (double)frac * 0x1p-20;
+    int k = -e;
+    if (k < -126 || k > kmax)
+        return 1;
+    *word = ((uint32_t)(e + EXP_BIAS) << 19) | frac;
+    *inv = (float)(((double)levels / m) * pow2(k));
+    return 0;
+}
+
+/* int8 (kind 0) or fp8 e4m3 (kind 1) encoding of n float32 values in blocks of `block`:
+   words[nblocks] then payload[n], as codecs.Int8 / codecs.FP8 write them. */
+CLONES int mcrdl_absmax_encode(const float *x, int64_t n, int64_t block, int levels, int kmax,
+                               int kind, uint32_t *words, uint8_t *payload)
+{
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int64_t len = n - off < block ? n - off : block;
+        const float *xb = x + off;
+        uint8_t *pb = payload + off;
+        uint32_t word;
+        float inv;
+        if (absmax_factor(absmax_bits((const uint32_t *)xb, len), levels, kmax, &word, &inv))
+            return 1;
+        words[b] = word;
+        if (kind == 0) {
+            for (int64_t i = 0; i < len; i++) {
+                float y = xb[i] * inv;
+                float t = (y + MAGIC) - MAGIC; /* rint, ties to even */
+                pb[i] = (uint8_t)(int8_t)(int32_t)t;
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                float y = xb[i] * inv;
+                uint32_t u = bits_of(y);
+                uint32_t a = u & 0x7FFFFFFFu;
+                /* normal e4m3: round float32's bits at bit 20 (ties to even), rebias the
+                   exponent 127 -> 7; subnormal: rint(|y| * 2^9) is the code */
+                uint32_t normal = (a + ((a >> 20) & 1u) + (0x7FFFFu - (960u << 20))) >> 20;
+                float s = float_of(a) * 512.0f;
+                uint32_t sub = (uint32_t)(int32_t)((s + MAGIC) - MAGIC);
+                uint32_t is_sub = 0u - (uint32_t)(a < E4M3_MIN_NORMAL_BITS); /* a mask, */
+                uint32_t code = (sub & is_sub) | (normal & ~is_sub);     /* no branch */
+                pb[i] = (uint8_t)(code | ((u >> 24) & 0x80u));
+            }
+        }
+    }
+    return 0;
+}
+
+/* The inverse: n values into `out` from words[nblocks] and payload[n]. `lo` is
+   bit_length(LEVELS) + 1, as codecs._AbsmaxScaled._unscale clips. 1: a block is
+   flagged (NaN/Inf) or its step is outside float32's normal range: the Python path
+   decodes the call. */
+CLONES int mcrdl_absmax_decode(const uint32_t *words, const uint8_t *payload, int64_t n,
+                               int64_t block, int levels, int lo, int kind, float *out)
+{
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int64_t len = n - off < block ? n - off : block;
+        uint32_t w = words[b];
+        if (w & FLAG)
+            return 1;
+        uint32_t ef = (w >> 19) & 0xFFFu;
+        double m = ef == 0 ? 0.0 : 0.5 + (double)(w & 0x7FFFFu) * 0x1p-20;
+        int e = ef == 0 ? 0 : (int)ef - EXP_BIAS;
+        if (e < -126 + lo || e > 128)
+            return 1;
+        float step = (float)((m / levels) * pow2(e));
+        const uint8_t *pb = payload + off;
+        float *ob = out + off;
+        if (kind == 0) {
+            for (int64_t i = 0; i < len; i++)
+                ob[i] = (float)(int8_t)pb[i] * step;
+        } else {
+            /* an e4m3 code's bits placed in a float32's are its value times 2^-120,
+               subnormal codes included (exact); the NaN codes are not, and a block
+               that holds one goes to the Python path (only flagged blocks hold them) */
+            uint32_t nan = 0;
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t c = pb[i];
+                nan |= (uint32_t)((c & 0x7Fu) == 0x7Fu);
+                float v = float_of(((c & 0x7Fu) << 20) | ((c & 0x80u) << 24)) * 0x1p120f;
+                ob[i] = v * step;
+            }
+            if (nan)
+                return 1;
+        }
+    }
+    return 0;
+}
+
+/* fp16 (codecs.FP16) on float32: per block the power of two 2^k that brings the
+   largest finite magnitude into [2^14, 2^15) (k as an int32 word), then each value
+   times 2^-k rounded to float16 (ties to even). 1: a block holds NaN/Inf or needs
+   ldexp (a subnormal maximum): the Python path. */
+CLONES int mcrdl_fp16_encode(const float *x, int64_t n, int64_t block, int32_t *words,
+                             uint16_t *payload)
+{
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int64_t len = n - off < block ? n - off : block;
+        const float *xb = x + off;
+        uint16_t *hb = payload + off;
+        uint32_t mx = absmax_bits((const uint32_t *)xb, len);
+        if (mx >= 0x7F800000u || (mx != 0 && (mx >> 23) == 0))
+            return 1;
+        int k = mx == 0 ? 0 : (int)(mx >> 23) - 126 - 15;
+        if (-k < -126 || -k > 127)
+            return 1;
+        words[b] = k;
+        float inv = (float)pow2(-k);
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t u = bits_of(xb[i] * inv);
+            uint32_t a = u & 0x7FFFFFFFu;
+            /* normal half (|y| >= 2^-14): round at bit 13, rebias 127 -> 15 (finite
+               here: |y| < 2^15); subnormal: rint(|y| * 2^24) is the code */
+            uint32_t normal = (a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23)) >> 13;
+            float s = float_of(a) * 16777216.0f;
+            uint32_t sub = (uint32_t)(int32_t)((s + MAGIC) - MAGIC);
+            uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u);
+            uint32_t h = (sub & is_sub) | (normal & ~is_sub);
+            hb[i] = (uint16_t)(h | ((u >> 16) & 0x8000u));
+        }
+    }
+    return 0;
+}
+
+/* The inverse of mcrdl_fp16_encode: each float16 value (exact in float32) times 2^k.
+   1: a block holds a float16 Inf/NaN or its 2^k is outside float32's normal range. */
+CLONES int mcrdl_fp16_decode(const int32_t *words, const uint16_t *payload, int64_t n,
+                             int64_t block, float *out)
+{
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int64_t len = n - off < block ? n - off : block;
+        int k = words[b];
+        if (k < -126 || k > 128 - 16)
+            return 1;
+        float scale = (float)pow2(k);
+        const uint16_t *hb = payload + off;
+        float *ob = out + off;
+        uint32_t special = 0;
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t h = hb[i];
+            uint32_t a = h & 0x7FFFu;
+            special |= (a >= 0x7C00u);
+            /* the half's bits placed in a float32's are its value times 2^-112,
+               subnormal halves included (as float32 subnormals): exact */
+            float v = float_of((a << 13) | ((h & 0x8000u) << 16)) * 0x1p112f;
+            ob[i] = v * scale;
+        }
+        if (special)
+            return 1;
+    }
+    return 0;
+}
