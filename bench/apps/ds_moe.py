@@ -39,7 +39,7 @@ from torch_common import CLOCK, init, parser, run  # noqa: E402
 def timed(fn):
     """``fn`` timed by the apps' communication clock."""
     def call(*args, **kwargs):
-        with CLOCK:
+        with CLOCK("all_to_all"):
             return fn(*args, **kwargs)
     return call
 
@@ -74,12 +74,12 @@ def train(a) -> dict:
         out, l_aux, _ = moe(x)
         loss = (nn.functional.mse_loss(out, target) + 0.01 * l_aux) / n
         loss.backward()
-        with CLOCK:
+        with CLOCK("all_reduce"):
             for p in dense:
                 dist.all_reduce(p.grad)
         opt.step()
         total = loss.detach().clone()
-        with CLOCK:
+        with CLOCK("all_reduce"):
             dist.all_reduce(total)
         return total.item()
 

@@ -133,7 +133,7 @@ def main():
         per_expert = torch.bincount(expert, minlength=epr * n)
         send_counts = per_expert.view(n, epr).sum(1).tolist()
         # how many tokens each source sends to each of my experts
-        with CLOCK:
+        with CLOCK("all_to_all"):
             got = torch.empty_like(per_expert)
             dist.all_to_all_single(got, per_expert)
         got = got.view(n, epr)

@@ -17,17 +17,27 @@ import torch.distributed as dist
 
 class CommClock:
     """Seconds spent inside communication calls (they are synchronous here, so this is
-    the time the step waits for communication, imbalance included)."""
+    the time the step waits for communication, imbalance included), in all and by op:
+    ``with CLOCK("all_to_all"):``."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.by_op: dict = {}
+        self._op = "other"
+
+    def __call__(self, op: str):
+        self._op = op
+        return self
 
     def __enter__(self):
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        self.seconds += time.perf_counter() - self._t0
+        dt = time.perf_counter() - self._t0
+        self.seconds += dt
+        self.by_op[self._op] = self.by_op.get(self._op, 0.0) + dt
+        self._op = "other"
 
 
 CLOCK = CommClock()
@@ -43,7 +53,7 @@ class AllToAll(torch.autograd.Function):
         ctx.splits = (out_splits, in_splits)
         rows = x.shape[0] if out_splits is None else sum(out_splits)
         out = x.new_empty((rows,) + tuple(x.shape[1:]))
-        with CLOCK:
+        with CLOCK("all_to_all"):
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
         return out
 
@@ -52,7 +62,7 @@ class AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         rows = grad.shape[0] if in_splits is None else sum(in_splits)
         back = grad.new_empty((rows,) + tuple(grad.shape[1:]))
-        with CLOCK:
+        with CLOCK("all_to_all"):
             dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits)
         return back, None, None
 
@@ -69,7 +79,7 @@ def all_reduce_grads(params) -> None:
     a DDP bucket does); each rank's loss is already divided by the world size."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    with CLOCK:
+    with CLOCK("all_reduce"):
         dist.all_reduce(flat)
     off = 0
     for g in grads:
@@ -84,7 +94,7 @@ def train_step(loss, dense_params, opt) -> float:
     all_reduce_grads(dense_params)
     opt.step()
     total = loss.detach().clone()
-    with CLOCK:
+    with CLOCK("all_reduce"):
         dist.all_reduce(total)
     return total.item()
 
@@ -129,6 +139,7 @@ def run(args, step, reference=None, samples_per_step: int = 0, name: str = "") -
         log.clear()
         log.enable()
     CLOCK.seconds = 0.0
+    CLOCK.by_op = {}
     t0 = time.perf_counter()
     for _ in range(args.steps):
         losses.append(step())
@@ -138,11 +149,16 @@ def run(args, step, reference=None, samples_per_step: int = 0, name: str = "") -
         log.disable()
         for rec in log.records:
             ran.setdefault(rec[0], set()).add(rec[2])
-    comm = torch.tensor([CLOCK.seconds, elapsed], dtype=torch.float64)
-    dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+    ops = sorted(CLOCK.by_op)
+    comm = torch.tensor([CLOCK.seconds, elapsed] + [CLOCK.by_op[o] for o in ops],
+                        dtype=torch.float64)
+    dist.all_reduce(comm, op=dist.ReduceOp.MAX)  # the same ops on every rank
     result = {"app": name, "backend": args.backend, "pg_options": args.pg_options, "ranks": n,
               "steps": args.steps, "samples_per_s": samples_per_step * args.steps / comm[1].item(),
-              "comm_share": comm[0].item() / comm[1].item(), "losses": losses,
+              "comm_share": comm[0].item() / comm[1].item(),
+              "comm_share_by_op": {o: comm[2 + i].item() / comm[1].item()
+                                   for i, o in enumerate(ops)},
+              "losses": losses,
               "ran": {op: sorted(names) for op, names in ran.items()}}
     if args.check and reference is not None:
         ref = reference(args.warmup + args.steps)

@@ -5,8 +5,8 @@ file with the system's C compiler into ``codec_kernels.so`` next to it. Where it
 built, from this version of the source, and ``MCRDL_CODEC_KERNELS`` is on (the
 default), ``codecs.Int8``, ``codecs.FP8`` and ``codecs.FP16`` encode and decode
 contiguous float32 host arrays through it: one pass per block in L1 instead of a
-NumPy/torch pass per step over the whole array, 3-8x faster here, with the same bytes
-and values (``tests/test_codec_kernels.py`` compares the two paths). Without it every
+NumPy/torch pass per step over the whole array (1.2-4.5x faster here, by codec and
+direction: docs/compression.md, "Compiled kernels"), with the same bytes and values (``tests/test_codec_kernels.py`` compares the two paths). Without it every
 codec runs its NumPy code, as on CuPy arrays. ``mcrdl info`` says which is in use.
 
 Each function returns True when the kernel did the whole call; False sends the codec to
