@@ -41,6 +41,16 @@ class CommClock:
 
 
 CLOCK = CommClock()
+#: ``--split-wait``: a timed barrier before each all-to-all (see ``parser``)
+SPLIT_WAIT = False
+
+
+def _wait_apart() -> None:
+    """Under ``--split-wait``, wait for every rank before an all-to-all, on the clock
+    as "wait": what remains under "all_to_all" is the exchange once all ranks are in."""
+    if SPLIT_WAIT:
+        with CLOCK("wait"):
+            dist.barrier()
 
 
 class AllToAll(torch.autograd.Function):
@@ -53,6 +63,7 @@ class AllToAll(torch.autograd.Function):
         ctx.splits = (out_splits, in_splits)
         rows = x.shape[0] if out_splits is None else sum(out_splits)
         out = x.new_empty((rows,) + tuple(x.shape[1:]))
+        _wait_apart()
         with CLOCK("all_to_all"):
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
         return out
@@ -62,6 +73,7 @@ class AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         rows = grad.shape[0] if in_splits is None else sum(in_splits)
         back = grad.new_empty((rows,) + tuple(grad.shape[1:]))
+        _wait_apart()
         with CLOCK("all_to_all"):
             dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits)
         return back, None, None
@@ -109,10 +121,16 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also train in one process and compare the losses")
     p.add_argument("--json", default=None, help="write the result line here (rank 0)")
+    p.add_argument("--split-wait", action="store_true",
+                   help="diagnostic: a barrier before each all-to-all, timed apart "
+                        "(comm_share_by_op 'wait': how long ranks wait for the slowest "
+                        "one to arrive; 'all_to_all' is then the exchange alone)")
     return p
 
 
 def init(args) -> tuple[int, int]:
+    global SPLIT_WAIT
+    SPLIT_WAIT = getattr(args, "split_wait", False)
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
     if local > 1 and "OMP_NUM_THREADS" not in os.environ:
         # what torchrun does for several processes per node, here under mpiexec too: a
