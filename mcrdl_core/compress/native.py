@@ -6,8 +6,9 @@ built, from this version of the source, and ``MCRDL_CODEC_KERNELS`` is on (the
 default), ``codecs.Int8``, ``codecs.FP8`` and ``codecs.FP16`` encode and decode
 contiguous float32 host arrays through it: one pass per block in L1 instead of a
 NumPy/torch pass per step over the whole array (1.2-4.5x faster here, by codec and
-direction: docs/compression.md, "Compiled kernels"), with the same bytes and values (``tests/test_codec_kernels.py`` compares the two paths). Without it every
-codec runs its NumPy code, as on CuPy arrays. ``mcrdl info`` says which is in use.
+direction: docs/compression.md, "Compiled kernels"), with the same bytes and values
+(``tests/test_codec_kernels.py`` compares the two paths). Without it every codec runs
+its NumPy code, as on CuPy arrays. ``mcrdl info`` says which is in use.
 
 Each function returns True when the kernel did the whole call; False sends the codec to
 its Python path, which then writes every byte (the kernel declines inputs it does not
@@ -82,39 +83,51 @@ def _bytes(a) -> bool:
             and _addr(a) % 4 == 0)
 
 
+def _ready(vals, enc, nblocks: int, width: int):
+    """(the library, the address of ``enc``) where the kernels can take these arrays:
+    float32 values, and an encoding of ``nblocks`` 4-byte words then ``width`` bytes per
+    value; None where the codec must take its Python path."""
+    lib = active()
+    if lib is None or not (_f32(vals) and _bytes(enc)
+                           and enc.shape[0] >= 4 * nblocks + width * vals.shape[0]):
+        return None
+    return lib, _addr(enc)
+
+
 def absmax_encode(x, out, nblocks: int, block: int, levels: int, kmax: int, kind: int) -> bool:
     """int8 (``kind`` 0) or fp8 (1) encoding of float32 ``x`` into ``out`` (words, then
     one byte per value)."""
-    lib = active()
-    if lib is None or not (_f32(x) and _bytes(out) and out.shape[0] >= 4 * nblocks + x.shape[0]):
+    ready = _ready(x, out, nblocks, 1)
+    if ready is None:
         return False
-    base = _addr(out)
+    lib, base = ready
     return lib.mcrdl_absmax_encode(_addr(x), x.shape[0], block, levels, kmax, kind, base,
                                    base + 4 * nblocks) == 0
 
 
 def absmax_decode(enc, out, nblocks: int, block: int, levels: int, lo: int, kind: int) -> bool:
     """The inverse of ``absmax_encode`` into float32 ``out``."""
-    lib = active()
-    if lib is None or not (_f32(out) and _bytes(enc) and enc.shape[0] >= 4 * nblocks + out.shape[0]):
+    ready = _ready(out, enc, nblocks, 1)
+    if ready is None:
         return False
-    base = _addr(enc)
+    lib, base = ready
     return lib.mcrdl_absmax_decode(base, base + 4 * nblocks, out.shape[0], block, levels, lo,
                                    kind, _addr(out)) == 0
 
 
 def fp16_encode(x, out, nblocks: int, block: int) -> bool:
     """fp16 encoding of float32 ``x`` into ``out`` (int32 exponents, then float16)."""
-    lib = active()
-    if lib is None or not (_f32(x) and _bytes(out) and out.shape[0] >= 4 * nblocks + 2 * x.shape[0]):
+    ready = _ready(x, out, nblocks, 2)
+    if ready is None:
         return False
-    base = _addr(out)
+    lib, base = ready
     return lib.mcrdl_fp16_encode(_addr(x), x.shape[0], block, base, base + 4 * nblocks) == 0
 
 
 def fp16_decode(enc, out, nblocks: int, block: int) -> bool:
-    lib = active()
-    if lib is None or not (_f32(out) and _bytes(enc) and enc.shape[0] >= 4 * nblocks + 2 * out.shape[0]):
+    """The inverse of ``fp16_encode`` into float32 ``out``."""
+    ready = _ready(out, enc, nblocks, 2)
+    if ready is None:
         return False
-    base = _addr(enc)
+    lib, base = ready
     return lib.mcrdl_fp16_decode(base, base + 4 * nblocks, out.shape[0], block, _addr(out)) == 0
