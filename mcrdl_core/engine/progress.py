@@ -13,10 +13,14 @@ it) and this host has a core per rank, the loop polls without pause, as MPI's ow
 blocking calls do: yielding between polls halved MPI's bandwidth (1 MiB all-reduce on 2
 ranks: 393 µs with yields after 100 µs, 289 µs spinning, 233 µs raw MPI). When the
 host has more ranks than cores (3 ranks on 2 cores), it spins ``MCRDL_SPIN_US`` µs
-(default 100) and then yields the CPU (``sleep(0)``) between polls, so that the rank
-doing the work gets the core; so does a process that another took its core from (a
-pass of the loop that took over ``PREEMPTED_S``: a busy host), for ``CONTENDED_S``. With no host-driven work in flight, it yields after the
-spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
+(default 100) and then gives up the CPU between polls with ``time.sleep(0)``, so that
+the rank doing the work gets the core; so does a process that another took its core
+from (a pass of the loop that took over ``PREEMPTED_S``: a busy host), for
+``CONTENDED_S``. On Linux ``sleep(0)`` is a nap of the timer slack (50 µs; about 60 µs
+a call), not a bare ``sched_yield``: ``sched_yield`` instead, or naps growing to 0.5 ms,
+made no app faster where 4 ranks share 2 cores (docs/benchmarks.md, "Why MoE stays
+near 1.1x on 4x1"). With no host-driven work in flight, it gives up the CPU the same
+way after the spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA progress on
 their own threads and engines. A wait whose works can all be slept on (``Work.block``:
 Gloo's works, a helper thread joined or torch's timed wait) with nothing
 host-driven in flight sleeps on them instead (a spinning waiter would keep the GIL and
