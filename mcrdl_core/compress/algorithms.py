@@ -211,24 +211,37 @@ def all_to_all(ch, codec, p, x, res):
     and handed to one backend all-to-all (Alltoallv over the encoded bytes); while they
     are on the wire, the own block is encoded and decoded here, so it is the same round
     trip as every other and never moves. Blocks the plan marks exact (same-host peers,
-    where the group spans hosts; then the own block too) travel as their raw bytes in
-    the same buffer. Every read of ``x`` comes before the first write of ``res``, so the
-    two may share memory (``all_to_all_single(x, x)``)."""
+    where the group spans hosts; then the own block too) travel as their raw bytes:
+    straight from ``x`` into ``res`` as one tagged send and receive per peer, beside the
+    all-to-all, where the arrays are host memory that does not overlap and the backend
+    takes such messages (``_direct``); else in the all-to-all's buffers, copied in and
+    out. Every read of ``x`` comes before the first write of ``res``, so the two may
+    share memory (``all_to_all_single(x, x)``)."""
     P, r = ch.size, ch.rank
     exact = p.exact or (False,) * P
     ioff, ooff = _offsets(p.in_counts), _offsets(p.out_counts)
-    soff, roff = _offsets(p.send_bytes), _offsets(p.recv_bytes)
     send, recv = list(p.send_bytes), list(p.recv_bytes)
+    direct = []  # the Works of the raw blocks sent and received on their own
+    if any(exact[k] for k in range(P) if k != r) and _direct(ch, x, res):
+        for k in range(P):
+            if k != r and exact[k]:
+                if recv[k]:
+                    direct.append(ch.a2a_p2p(False, res[ooff[k]:ooff[k + 1]], k, 0))
+                if send[k]:
+                    direct.append(ch.a2a_p2p(True, x[ioff[k]:ioff[k + 1]], k, 0))
+                send[k] = recv[k] = 0
+        exact = [k == r for k in range(P)]  # (the own block is exact with them)
     if not any(send) and not any(recv):
         # A rank with nothing to send or receive sends itself 8 bytes: with all its
         # counts equal, the mpi backend would issue Alltoall where its peers issue
         # Alltoallv (it decides from the local counts), and the group would hang. With
         # the own block's count at 0, a rank that moves anything never looks even.
         send[r] = recv[r] = 8
-    sbuf, rbuf = ch.staging(max(soff[-1], send[r])), ch.staging(max(roff[-1], recv[r]))
+    soff, roff = _offsets(send), _offsets(recv)
+    sbuf, rbuf = ch.staging(soff[-1]), ch.staging(roff[-1])
     S, R = sbuf.array(), rbuf.array()
     for k in range(P):
-        if k == r:
+        if k == r or not send[k]:
             continue
         if exact[k]:
             S[soff[k]:soff[k + 1]] = x[ioff[k]:ioff[k + 1]].view(S.dtype)
@@ -243,15 +256,25 @@ def all_to_all(ch, codec, p, x, res):
         codec.encode(x[ioff[r]:ioff[r + 1]], own)
         ok = codec.decode(own, res[ooff[r]:ooff[r + 1]])
     if work is not None:
-        yield work
+        yield [work] + direct
     for k in range(P):
-        if k == r:
+        if k == r or not recv[k]:
             continue
         if exact[k]:
             res[ooff[k]:ooff[k + 1]].view(R.dtype)[...] = R[roff[k]:roff[k + 1]]
         else:
             ok &= codec.decode(R[roff[k]:roff[k + 1]], res[ooff[k]:ooff[k + 1]])
     return bool(ok)
+
+
+def _direct(ch, x, res) -> bool:
+    """Whether the raw blocks of an all-to-all can go straight from ``x`` to ``res``:
+    both host (NumPy) arrays, C-contiguous, in memory that does not overlap (an
+    in-place call reads every block before it writes one, which only the staging
+    copies allow), on a backend with tagged point-to-point (``Channel.direct_p2p``)."""
+    return (isinstance(x, np.ndarray) and isinstance(res, np.ndarray)
+            and x.flags.c_contiguous and res.flags.c_contiguous
+            and not np.may_share_memory(x, res) and ch.direct_p2p())
 
 
 def _offsets(counts) -> list:

@@ -127,6 +127,20 @@ class Channel:
             return be.batch_p2p(self.group, [(sbuf, speer)], [(rbuf, rpeer)])
         return _Both(self.send(sbuf, speer, tag), self.recv(rbuf, rpeer, tag))
 
+    def a2a_p2p(self, send: bool, arr, peer: int, tag: int) -> Work:
+        """Send ``arr`` (a contiguous NumPy array) to ``peer``, or receive into it, on
+        the backend this call chose for its all-to-all (chosen alike on every rank), so
+        that both ends of each message use one backend whatever its size."""
+        be, buf = self._chosen[Op.ALL_TO_ALL], Buffer.from_numpy(arr.view(np.uint8))
+        t = _tags.compress_tag(self.slot, tag)
+        return (be.send if send else be.recv)(self.group, buf, peer, t)
+
+    def direct_p2p(self) -> bool:
+        """Whether this call's all-to-all backend takes tagged point-to-point messages
+        posted in any order (a host backend: MPI, Gloo; not NCCL's ordered streams)."""
+        be = self._chosen.get(Op.ALL_TO_ALL)
+        return be is not None and not be.grouped_p2p and not self.force_paired
+
     def all_to_all(self, out: Buffer, inp: Buffer, out_counts=None, in_counts=None) -> Work:
         """One backend all-to-all of byte buffers: ``in_counts[k]`` bytes of ``inp``
         (packed in rank order) go to rank k, ``out_counts[k]`` bytes from rank k land in

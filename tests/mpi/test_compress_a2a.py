@@ -272,6 +272,42 @@ def test_only_blocks_that_cross_hosts_are_encoded(backend):
     assert "exact" in str(p)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_host_blocks_go_straight_between_the_arrays(backend, monkeypatch):
+    """On several hosts the raw blocks for same-host peers are one send and one receive
+    each, from the input into the output (no staging copies), none for an empty block;
+    an in-place call keeps them in the all-to-all's staging buffers (it must read every
+    block before it writes one) and still gets the right values."""
+    host = mc.get_runtime().bootstrap.host_of
+    if not host or len(set(host)) < 2:
+        pytest.skip("one host: every block is encoded")
+    from mcrdl_core.compress.schedule import Channel
+
+    calls, real = [], Channel.a2a_p2p
+
+    def spy(self, send, arr, peer, tag):
+        calls.append((send, peer, arr.size))
+        return real(self, send, arr, peer, tag)
+
+    monkeypatch.setattr(Channel, "a2a_p2p", spy)
+    for salt in (3, 4):
+        calls.clear()
+        assert np.array_equal(exchange(salt, backend, compression="int8"),
+                              expected("int8", salt))
+        peers = [k for k in range(SIZE) if k != RANK and host[k] == host[RANK]]
+        want = [(True, k, rows(RANK, k, salt) * WIDTH) for k in peers if rows(RANK, k, salt)]
+        want += [(False, k, rows(k, RANK, salt) * WIDTH) for k in peers if rows(k, RANK, salt)]
+        assert sorted(calls) == sorted(want), (salt, calls)
+    calls.clear()
+    n = 40
+    x = torch.from_numpy(data(RANK, SIZE * n, 21))
+    mc.all_to_all_single(x, x, backend=backend, compression="int8")
+    assert calls == []
+    for k in range(SIZE):
+        assert np.array_equal(x[k * n:(k + 1) * n].numpy(),
+                              ref("int8", k, data(k, SIZE * n, 21)[RANK * n:(RANK + 1) * n]))
+
+
 # --- what is allowed, and bad input --------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_environment_names_all_to_all(backend, monkeypatch):
