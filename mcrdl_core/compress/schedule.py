@@ -99,13 +99,15 @@ class Channel:
                                                    nbytes=nbytes)
         return be
 
-    def send(self, buf: Buffer, peer: int, tag: int) -> Work:
-        return self.backend(Op.SEND, buf).send(self.group, buf, peer,
-                                               _tags.compress_tag(self.slot, tag))
+    def send(self, buf: Buffer, peer: int, tag: int, op: Op = Op.SEND) -> Work:
+        """A tagged send on the backend chosen for ``op`` (a ring's sends: SEND)."""
+        return self.backend(op, buf).send(self.group, buf, peer,
+                                          _tags.compress_tag(self.slot, tag))
 
-    def recv(self, buf: Buffer, peer: int, tag: int) -> Work:
-        return self.backend(Op.RECV, buf).recv(self.group, buf, peer,
-                                               _tags.compress_tag(self.slot, tag))
+    def recv(self, buf: Buffer, peer: int, tag: int, op: Op = Op.RECV) -> Work:
+        """A tagged receive on the backend chosen for ``op`` (a ring's: RECV)."""
+        return self.backend(op, buf).recv(self.group, buf, peer,
+                                          _tags.compress_tag(self.slot, tag))
 
     @property
     def prepost(self) -> bool:
@@ -131,9 +133,8 @@ class Channel:
         """Send ``arr`` (a contiguous NumPy array) to ``peer``, or receive into it, on
         the backend this call chose for its all-to-all (chosen alike on every rank), so
         that both ends of each message use one backend whatever its size."""
-        be, buf = self._chosen[Op.ALL_TO_ALL], Buffer.from_numpy(arr.view(np.uint8))
-        t = _tags.compress_tag(self.slot, tag)
-        return (be.send if send else be.recv)(self.group, buf, peer, t)
+        buf = Buffer.from_numpy(arr.view(np.uint8))
+        return (self.send if send else self.recv)(buf, peer, tag, Op.ALL_TO_ALL)
 
     def direct_p2p(self) -> bool:
         """Whether this call's all-to-all backend takes tagged point-to-point messages
