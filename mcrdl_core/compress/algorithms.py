@@ -229,8 +229,7 @@ def all_to_all(ch, codec, p, x, res):
                     direct.append(ch.a2a_p2p(False, res[ooff[k]:ooff[k + 1]], k, 0))
                 if send[k]:
                     direct.append(ch.a2a_p2p(True, x[ioff[k]:ioff[k + 1]], k, 0))
-                send[k] = recv[k] = 0
-        exact = [k == r for k in range(P)]  # (the own block is exact with them)
+                send[k] = recv[k] = 0  # (the loops below skip empty blocks)
     if not any(send) and not any(recv):
         # A rank with nothing to send or receive sends itself 8 bytes: with all its
         # counts equal, the mpi backend would issue Alltoall where its peers issue
