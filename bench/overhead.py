@@ -1,7 +1,7 @@
 """What MCR-DL adds per call over calling mpi4py (and mpi4jax) directly.
 
 Run (2 ranks; from the checkout):
-    MCRDL_TUNING_TABLE=none mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R] [--table ops|all_reduce|both]
+    MCRDL_TUNING_TABLE=none mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R] [--table ops|all_reduce|both] [--split BYTES]
 
 Every op (``--table ops``): all_reduce, broadcast, reduce, all_gather_into_tensor,
 reduce_scatter_tensor, all_to_all_single (even, and by split sizes), an isend/irecv ring
@@ -22,7 +22,8 @@ raw mpi4py ``Allreduce`` of the same size.
 Paths: raw mpi4py (blocking ``Allreduce``, and ``Iallreduce`` polled with ``Test``:
 what MCR-DL issues); ``mcrdl_core.all_reduce`` on a NumPy array; ``mcrdl_torch.all_reduce``
 with ``backend="mpi"``, with ``backend="auto"`` (selection through an in-memory tuning
-table that says mpi, so the table lookup is part of the figure), ``async_op=True``
+table that says mpi, so the table lookup is part of the figure; ``--split BYTES``: two
+ranges, so auto picks the call's range per call), ``async_op=True``
 then ``wait()``, and auto with the comm logger on (switched on and off around each
 call: two attribute stores); ``mcrdl_jax.all_reduce`` eager on a JAX array, next to
 the cost of the smallest eager JAX op with a result (``x + 1``, no communication: what
@@ -214,6 +215,10 @@ def main():
     ap.add_argument("--calls", type=int, default=300, help="calls per batch (jit: programs / 20)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--sizes", default="8,1024,65536", help="message sizes in bytes")
+    ap.add_argument("--split", type=int, default=None, metavar="BYTES",
+                    help="the tuning table's all_reduce entry in two ranges, mpi up to BYTES "
+                         "and mpi above (auto then runs a call by table range) instead of "
+                         "one open range")
     ap.add_argument("--table", choices=["all_reduce", "ops", "both"], default="both",
                     help="all_reduce: every frontend's all-reduce (JAX too); ops: every op "
                          "through mcrdl_torch against its raw mpi4py call")
@@ -223,7 +228,9 @@ def main():
     n = dist.get_world_size()
     rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
         {"op": "all_reduce", "world_size": n, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
-         "dtype_class": "float", "ranges": [[None, "mpi"]]}]}, "<overhead benchmark>"))
+         "dtype_class": "float",
+         "ranges": [[None, "mpi"]] if args.split is None else [[args.split, "mpi"], [None, "mpi"]]}
+    ]}, "<overhead benchmark>"))
     if args.table in ("ops", "both"):
         every_op(args, n)
     for nbytes in (int(s) for s in args.sizes.split(",")) if args.table != "ops" else ():

@@ -52,11 +52,13 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_left as _bisect
 
 from ctypes import addressof as _addressof
 from ctypes import c_char as _c_char
 
 from ..base.dtypes import BY_NP
+from ..base.dtypes import dtype_class as _dtype_class
 from ..base.ops import Op, ReduceOp
 from ..engine.progress import spin as _spin
 from ..engine.work import conflicts as _conflicts
@@ -93,7 +95,7 @@ def compression_env() -> bool:
 def _table_decides(rt, op, backend, g) -> bool:
     """Whether a tuning table chooses this call's backend, by size (no backend named by
     the call, the group's default or MCRDL_BACKEND for ``op``: ``Runtime.named_backend``):
-    such a call's memo keys carry its size, and its frontend key is never bound.
+    such a call's memo keys carry its size, and its frontend key is bound by table range.
     Inlined, with this name beside it, in the two entries that run per call."""
     return (rt.table is not None and backend in (None, "auto") and g.backend is None
             and not (rt.override and rt.named_backend(op, g, backend)))
@@ -168,9 +170,9 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
             return MISS
         plan = choice[key] = _plan(rt, g, buf, backend, op)
     be, issue, _, blocking = plan
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind, count * dtype.itemsize):
         _bind(rt, bind, plan, Op.ALL_REDUCE, g, backend, (op,), _bind_in_place, Op.ALL_REDUCE,
-              dtype.itemsize, True, async_op)
+              dtype.itemsize, True, async_op, sized=(count * dtype.itemsize, dtype))
     eng = rt.engine
     if issue is None or eng.inflight or eng.pending:
         return MISS
@@ -354,9 +356,9 @@ def _in_place(rt, op, ptr, count, dtype, owner, root, what, red, group, async_op
                    (op, g, buf, backend, red, rank))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind, nbytes):
         _bind(rt, bind, plan, op, g, backend, (red, root), _bind_in_place, op, dtype.itemsize,
-              False, async_op)
+              False, async_op, sized=(nbytes, dtype))
     return _run(rt, plan, op, g, (ptr, count), (owner,), async_op, nbytes, 0, 0,
                 ptr, ptr + nbytes)
 
@@ -395,9 +397,9 @@ def _block_op(rt, op, small_ptr, small_count, big_ptr, big_count, dtype, owners,
     plan = _lookup(rt, _T[op], g, dtype, backend, red, small, buf, (op, g, buf, backend, red))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind, small):
         _bind(rt, bind, plan, op, g, backend, (red,), _bind_blocks, op, dtype.itemsize, gathers,
-              async_op)
+              async_op, sized=(small, dtype))
     args = (big_ptr, small_ptr, small_count) if gathers else (small_ptr, big_ptr, small_count)
     if gathers:  # reads the small block, writes the big one
         return _run(rt, plan, op, g, args, owners, async_op, big, small_ptr,
@@ -443,9 +445,9 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                        (Op.ALL_TO_ALL, g, buf, backend, None, None, in_bytes))
         if plan is None or plan[1] is None:
             return MISS
-        if bind is not None and bind not in rt.choices:
+        if bind is not None and _binds(rt.choices, bind, in_bytes):
             _bind(rt, bind, plan, Op.ALL_TO_ALL, g, backend, (), _bind_all_to_all, isz,
-                  async_op)
+                  async_op, sized=(in_bytes, dtype))
         return _run(rt, plan, Op.ALL_TO_ALL, g, (out_ptr, in_ptr, in_count // n),
                     owners, async_op, in_bytes, *bounds)
     # under a table the key carries no size (None): the table's largest range decides,
@@ -454,7 +456,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
                    (Op.ALL_TO_ALL, g, buf, backend, None, "v", None))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind):  # (no size: one plan for all)
         _bind(rt, bind, plan, Op.ALL_TO_ALL, g, backend, (), _bind_all_to_all_v, isz,
               async_op)
     # the issuer judges the splits (False, nothing sent, where they do not fit: MISS)
@@ -475,9 +477,9 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
                    (Op.SEND, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind, nbytes):
         _bind(rt, bind, plan, Op.SEND, g, backend, (dst,), _bind_p2p, Op.SEND, dtype.itemsize,
-              peer, async_op)
+              peer, async_op, sized=(nbytes, dtype))
     return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
@@ -494,9 +496,9 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
                    (Op.RECV, g, buf, backend))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind, nbytes):
         _bind(rt, bind, plan, Op.RECV, g, backend, (src,), _bind_p2p, Op.RECV, dtype.itemsize,
-              peer, async_op)
+              peer, async_op, sized=(nbytes, dtype))
     done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
@@ -515,7 +517,7 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
                    (Op.BARRIER, g, probe, backend))
     if plan is None or plan[1] is None:
         return MISS
-    if bind is not None and bind not in rt.choices:
+    if bind is not None and _binds(rt.choices, bind):  # (size 0: one plan for all)
         _bind(rt, bind, plan, Op.BARRIER, g, backend, (), _bind_barrier, async_op)
     return _run(rt, plan, Op.BARRIER, g, (), (), async_op, 0, 0, 0, 0, 0)
 
@@ -524,10 +526,11 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
 # --- bound calls -------------------------------------------------------------------------
 # The frontends' shortest path. A frontend key is a call's own arguments that fix
 # everything but the memory (op, the framework's dtype, root or peer, reduce op, group,
-# backend, async): where its plan has a compiled issuer and no tuning table decides by
-# size, the entry above that serves a call of it (the first call of a key fills the memo
-# through the general path, the next one comes here) binds a closure over what the key
-# fixes (the group, the root's or peer's group rank, the issuers) and stores it in
+# backend, async): where its plan has a compiled issuer, the entry above that serves a
+# call of it (the first call of a key fills the memo through the general path, the next
+# one comes here) binds a closure over what the key fixes (the group, the root's or
+# peer's group rank, the issuers; where a tuning table decides by size, one closure per
+# range of the table's entry, "Calls by table range" below) and stores it in
 # ``Runtime.choices`` under the frontend's key, so that whatever drops the plans
 # (``set_table``, ``set_override``, ``destroy``) drops the closures too. A later call
 # of the key gets the closure with one dict lookup and pays only the checks that can
@@ -545,17 +548,62 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
 _KEYABLE = (int, str, ReduceOp, type(None))
 
 
-def _bind(rt, bind, plan, op, g, backend, args, make, *make_args) -> None:
+_ABSENT = object()
+_OPEN = [float("inf")]  # the bounds of a table entry of one range, open-ended
+
+
+def _binds(choices, bind, size=None) -> bool:
+    """Whether an entry serving a call of the frontend key ``bind`` (of selection size
+    ``size`` where its memo key carries one) binds it: the key was never asked, or it
+    holds a call by table range (``_ranged_*``) without a closure for this call's range
+    yet. A key that holds a closure, or None (not bindable), stays as it is; so does a
+    range whose plan cannot be bound (``_never``). Cheap, since every call that a bound
+    key sends back (a logger on, work in flight) comes through here."""
+    cur = choices.get(bind, _ABSENT)
+    if cur is _ABSENT:
+        return True
+    calls = None if cur is None else getattr(cur, "calls", None)
+    return calls is not None and size is not None and calls[_bisect(cur.bounds, size)] is None
+
+
+def _never(*args):
+    """The closure of a table range whose plan cannot be bound: the entries serve it."""
+    return MISS
+
+
+def _bind(rt, bind, plan, op, g, backend, args, make, *make_args, sized=None) -> None:
     """Store under the frontend's key ``bind`` the closure ``make(rt, g, plan,
-    *make_args)`` where the key may be bound (a compiled issuer, no table deciding by
-    size), else None, so that the entries ask once per key. Nothing is stored where a
-    key argument (root, peer, reduce op) is of a kind that does not compare by value
-    (not an int, a str, a ReduceOp or None: a 0-d tensor given as a root is hashed by
-    identity, and would add a key on every call)."""
-    if all(a.__class__ in _KEYABLE for a in args):
-        rt.choices[bind] = (make(rt, g, plan, *make_args)
-                            if plan[3] is not None and not _table_decides(rt, op, backend, g)
-                            else None)
+    *make_args)`` where the key may be bound (a compiled issuer), else None, so that
+    the entries ask once per key. ``sized``: (selection size, dtype) of a call whose
+    memo key carries its size where a tuning table decides. Where the table then has
+    an entry of several ranges for the op, the key holds a call by table range instead
+    (``_ranged_*``): one closure per range of the entry, each made from the first call
+    in its range, since every size in a range gets the same choice
+    (``TuningTable.bounds``). An entry of one open-ended range (what ``mcrdl tune``
+    writes where one backend wins at every size) chooses alike for every size: a plain
+    closure, as for a named backend. Nothing is stored where a key argument (root,
+    peer, reduce op) is of a kind that does not compare by value (not an int, a str, a
+    ReduceOp or None: a 0-d tensor given as a root is hashed by identity, and would add
+    a key on every call)."""
+    if not all(a.__class__ in _KEYABLE for a in args):
+        return
+    choices = rt.choices
+    cur = choices.get(bind, _ABSENT)
+    bounds = None
+    if sized is not None and _table_decides(rt, op, backend, g):
+        bounds = rt.table.bounds(op.value, g.size, "cpu", _dtype_class(sized[1]),
+                                 rt.bootstrap.hosts_in(g.ranks))
+    if bounds is None or bounds == _OPEN:  # one plan serves every call of the key
+        if cur is _ABSENT:
+            choices[bind] = make(rt, g, plan, *make_args) if plan[3] is not None else None
+        return
+    if cur is _ABSENT:
+        cur = choices[bind] = _RANGED[make](bounds, *make_args)
+    elif not hasattr(cur, "calls"):
+        return
+    i = _bisect(bounds, sized[0])
+    if cur.calls[i] is None:
+        cur.calls[i] = make(rt, g, plan, *make_args) if plan[3] is not None else _never
 
 
 def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
@@ -724,3 +772,57 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
                      else ((ptr, end, False), (0, 0, True)), (owner,)).wait()
         return ranks[req.source()] if receives else None
     return call
+
+
+# --- calls by table range ----------------------------------------------------------------
+# Where a tuning table decides by size, a frontend key holds one of these instead of a
+# closure: it finds the call's range in the table entry's bounds (``bisect_left``, as
+# ``TuningTable.lookup`` does) and runs that range's closure, or returns MISS where the
+# range has none yet (the entry then makes it, ``_bind``) or cannot have one (a range
+# that chose a backend without a compiled issuer, or an algorithm: ``_never``). The
+# selection size is the one the entries key their plans by.
+
+
+def _ranged_in_place(bounds, op, isz, codecs, async_op):
+    calls = [None] * (len(bounds) + 1)
+
+    def call(ptr, count, owner):
+        c = calls[_bisect(bounds, count * isz)]
+        return MISS if c is None else c(ptr, count, owner)
+    call.calls, call.bounds = calls, bounds
+    return call
+
+
+def _ranged_blocks(bounds, op, isz, gathers, async_op):
+    calls = [None] * (len(bounds) + 1)
+
+    def call(out_ptr, out_count, in_ptr, in_count, owners):
+        c = calls[_bisect(bounds, (in_count if gathers else out_count) * isz)]
+        return MISS if c is None else c(out_ptr, out_count, in_ptr, in_count, owners)
+    call.calls, call.bounds = calls, bounds
+    return call
+
+
+def _ranged_all_to_all(bounds, isz, async_op):
+    calls = [None] * (len(bounds) + 1)
+
+    def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners):
+        c = calls[_bisect(bounds, in_count * isz)]
+        return MISS if c is None else c(out_ptr, out_count, out_rows, in_ptr, in_count,
+                                        in_rows, owners)
+    call.calls, call.bounds = calls, bounds
+    return call
+
+
+def _ranged_p2p(bounds, op, isz, peer, async_op):
+    calls = [None] * (len(bounds) + 1)
+
+    def call(ptr, count, tag, owner):
+        c = calls[_bisect(bounds, count * isz)]
+        return MISS if c is None else c(ptr, count, tag, owner)
+    call.calls, call.bounds = calls, bounds
+    return call
+
+
+_RANGED = {_bind_in_place: _ranged_in_place, _bind_blocks: _ranged_blocks,
+           _bind_all_to_all: _ranged_all_to_all, _bind_p2p: _ranged_p2p}

@@ -408,6 +408,15 @@ class TuningTable:
         return names[i] if i < len(names) else None
 
 
+    def bounds(self, op: str, world_size: int, device: str, dtype_class: str,
+               hosts: int = 1) -> list | None:
+        """The upper bounds (bytes, inclusive; inf last where the entry is open-ended) of
+        the ranges ``lookup`` picks from for this key, or None where the table has no
+        entry for it (then the policy decides, whatever the size). Two sizes with the
+        same ``bisect_left`` index into them get the same answer from ``lookup``."""
+        hit = _either_class(self.index, op, world_size, hosts, device, dtype_class)
+        return None if hit is None else hit[0]
+
     def lookup_compressed(self, op: str, world_size: int, device: str, dtype_class: str,
                           nbytes: int | None, hosts: int = 1):
         """``(codecs measured, variants)`` for a message of ``nbytes`` (None: the largest

@@ -6,7 +6,8 @@ the world and on a subgroup whose ranks are reversed). A closure steps aside, be
 anything is sent, for everything it does not handle (a logger, an observer,
 MCRDL_COMPRESSION, work in flight, counts that do not fit, a broken group), and the
 frontend's next path then gives the same results and errors as before; whatever drops
-the plans drops the closures; a key that a tuning table decides by size is not bound."""
+the plans drops the closures; a key that a tuning table decides by size is bound per
+table range."""
 import time
 import types
 
@@ -17,7 +18,7 @@ import torch
 import mcrdl_core
 import mcrdl_torch as dist
 from mcrdl_core.base.errors import BrokenGroupError, InvalidArgumentError
-from mcrdl_core.dispatch.fastpath import MISS
+from mcrdl_core.dispatch.fastpath import MISS, _never
 from mcrdl_core.observe.logger import logger
 from conftest import RANK, SIZE, SUB_RANKS, values
 
@@ -61,40 +62,43 @@ def done(res, async_op):
     return res.result()
 
 
-def call(op, salt, group=None, ranks=None, async_op=False):
+def call(op, salt, group=None, ranks=None, async_op=False, backend="mpi", k=1):
     """One call of ``op`` on ``group`` (``ranks``: its global ranks, in group order),
-    blocking or async and waited for, its result checked against NumPy on this rank."""
+    blocking or async and waited for, its result checked against NumPy on this rank;
+    ``k`` times the usual element counts (a size a table may put in another range)."""
     ranks = list(range(SIZE)) if ranks is None else ranks
     n, me = len(ranks), ranks.index(RANK)
-    kw = {"group": group, "async_op": async_op, "backend": "mpi"}
+    kw = {"group": group, "async_op": async_op, "backend": backend}
     if op == "broadcast":
-        t = values(RANK, 3, F, salt)
+        t = values(RANK, 3 * k, F, salt)
         assert done(dist.broadcast(t, ranks[-1], **kw), async_op) is None
-        np.testing.assert_array_equal(t.numpy(), values(ranks[-1], 3, F, salt).numpy())
+        np.testing.assert_array_equal(t.numpy(), values(ranks[-1], 3 * k, F, salt).numpy())
     elif op == "reduce":
-        t = values(RANK, 3, F, salt)
+        t = values(RANK, 3 * k, F, salt)
         done(dist.reduce(t, ranks[-1], dist.ReduceOp.SUM, **kw), async_op)
         if me == n - 1:
-            np.testing.assert_array_equal(t.numpy(), stack(ranks, 3, salt).sum(0))
+            np.testing.assert_array_equal(t.numpy(), stack(ranks, 3 * k, salt).sum(0))
     elif op == "all_reduce":
-        t = values(RANK, 3, F, salt)
+        t = values(RANK, 3 * k, F, salt)
         done(dist.all_reduce(t, dist.ReduceOp.MAX, **kw), async_op)
-        np.testing.assert_array_equal(t.numpy(), stack(ranks, 3, salt).max(0))
+        np.testing.assert_array_equal(t.numpy(), stack(ranks, 3 * k, salt).max(0))
     elif op == "all_gather":
-        out = torch.zeros(2 * n, dtype=F)
-        done(dist.all_gather_into_tensor(out, values(RANK, 2, F, salt), **kw), async_op)
-        np.testing.assert_array_equal(out.numpy(), stack(ranks, 2, salt).reshape(-1))
+        out = torch.zeros(2 * k * n, dtype=F)
+        done(dist.all_gather_into_tensor(out, values(RANK, 2 * k, F, salt), **kw), async_op)
+        np.testing.assert_array_equal(out.numpy(), stack(ranks, 2 * k, salt).reshape(-1))
     elif op == "reduce_scatter":
-        out = torch.zeros(2, dtype=F)
-        done(dist.reduce_scatter_tensor(out, values(RANK, 2 * n, F, salt), **kw), async_op)
+        m = 2 * k
+        out = torch.zeros(m, dtype=F)
+        done(dist.reduce_scatter_tensor(out, values(RANK, m * n, F, salt), **kw), async_op)
         np.testing.assert_array_equal(out.numpy(),
-                                      stack(ranks, 2 * n, salt).sum(0)[2 * me:2 * me + 2])
+                                      stack(ranks, m * n, salt).sum(0)[m * me:m * me + m])
     elif op == "all_to_all":  # 2-D: dim 0 is what must divide by the group's size
-        out = torch.zeros(n, 2, dtype=F)
-        done(dist.all_to_all_single(out, values(RANK, 2 * n, F, salt).reshape(n, 2), **kw),
+        m = 2 * k
+        out = torch.zeros(n, m, dtype=F)
+        done(dist.all_to_all_single(out, values(RANK, m * n, F, salt).reshape(n, m), **kw),
              async_op)
         np.testing.assert_array_equal(out.numpy().reshape(-1),
-                                      stack(ranks, 2 * n, salt)[:, 2 * me:2 * me + 2].reshape(-1))
+                                      stack(ranks, m * n, salt)[:, m * me:m * me + m].reshape(-1))
     elif op == "all_to_all_v":  # by split sizes: (i + 2j + salt) % 3 rows of 2 from i to j
         rows = [[(i + 2 * j + salt) % 3 for j in range(n)] for i in range(n)]
         ins = [values(ranks[i], 2 * sum(rows[i]), F, salt).reshape(-1, 2) for i in range(n)]
@@ -106,9 +110,9 @@ def call(op, salt, group=None, ranks=None, async_op=False):
     else:  # send/recv in pairs of group ranks (0, 1), (2, 3), ...; an odd last one idles
         peer = me ^ 1
         if peer < n:
-            r = torch.zeros(4, dtype=F)
-            mine = values(RANK, 4, F, salt)
-            kw = {"group": group, "tag": salt, "backend": "mpi"}
+            r = torch.zeros(4 * k, dtype=F)
+            mine = values(RANK, 4 * k, F, salt)
+            kw = {"group": group, "tag": salt, "backend": backend}
             if async_op:  # the receive first, from any source; both in flight
                 wr = dist.irecv(r, None, **kw)
                 ws = dist.isend(mine, ranks[peer], **kw)
@@ -120,7 +124,19 @@ def call(op, salt, group=None, ranks=None, async_op=False):
                                          (dist.send, (mine, ranks[peer])))
                 got = [f(*args, **kw) for f, args in (first, second)]
                 assert ranks[peer] in got
-            np.testing.assert_array_equal(r.numpy(), values(ranks[peer], 4, F, salt).numpy())
+            np.testing.assert_array_equal(r.numpy(), values(ranks[peer], 4 * k, F, salt).numpy())
+
+
+def refuse_entries(monkeypatch):
+    """From here on, a call that reaches a fast-path entry fails the test: the calls
+    must run through their bound closures."""
+    from mcrdl_core.dispatch import fastpath
+
+    def refuse(*a, **k):
+        raise AssertionError("a bound key took the regular entry")
+    for name in ("broadcast", "reduce", "host_all_reduce", "all_gather", "reduce_scatter",
+                 "all_to_all", "send", "recv"):
+        monkeypatch.setattr(fastpath, name, refuse)
 
 
 @pytest.mark.parametrize("async_op", [False, True])
@@ -140,13 +156,7 @@ def test_repeated_calls_run_bound_and_stay_right(monkeypatch, op, where, late, a
     call(op, 0, group, ranks, async_op)  # the regular entry: binds
     if op != "send_recv":
         assert TAGS[op] in bound(async_op, group)
-    from mcrdl_core.dispatch import fastpath
-
-    def refuse(*a, **k):
-        raise AssertionError("a bound key took the regular entry")
-    for name in ("broadcast", "reduce", "host_all_reduce", "all_gather", "reduce_scatter",
-                 "all_to_all", "send", "recv"):
-        monkeypatch.setattr(fastpath, name, refuse)
+    refuse_entries(monkeypatch)
     for salt in range(1, 4):
         if late and RANK == (ranks or list(range(SIZE)))[-1]:
             time.sleep(0.01)
@@ -397,56 +407,146 @@ def test_dropping_the_plans_drops_the_closures_and_odd_keys_are_not_bound():
     assert "bound:torch.broadcast" in bound()
 
 
-def test_keys_a_table_decides_by_size_are_not_bound():
-    """auto under a tuning table: the memoized entry serves the calls (its plans are per
-    size), the frontend key holds None (asked once), and the results stay right; an
-    explicit backend under the same table is bound, and so is an op MCRDL_BACKEND
-    names."""
+def _table(ranges, ops):
     from mcrdl_core.dispatch.selection import SCHEMA, TuningTable
     rt = mcrdl_core.get_runtime()
-    old = rt.table
-    rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
+    return TuningTable({"schema": SCHEMA, "entries": [
         {"op": op, "world_size": SIZE, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
-         "dtype_class": "float", "ranges": [[None, "mpi"]]}
-        for op in ("all_reduce", "broadcast", "all_gather", "all_to_all")]}, "<test>"))
-    out_splits = [s + 1 + RANK for s in range(SIZE)]  # rank s sends rank r s + 1 + r rows
-    in_splits = [RANK + 1 + d for d in range(SIZE)]
+         "dtype_class": "float", "ranges": ranges} for op in ops]}, "<test>")
+
+
+def auto_keys(async_op=False):
+    """{tag: what the key holds} of the frontend keys of float64 calls with no backend
+    named (auto), on the world, blocking or async."""
+    return {k[0]: v for k, v in mcrdl_core.get_runtime().choices.items()
+            if isinstance(k[0], str) and k[0].startswith("bound:") and k[1] is F
+            and k[-3] is None and k[-2] is None and k[-1] is async_op}
+
+
+TABLE_OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+             "send", "recv")
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_keys_a_table_decides_by_size_are_bound_per_range(monkeypatch, async_op):
+    """auto under a tuning table of two ranges (mpi up to 64 B, mpi above): each sized
+    key holds a call by table range, one closure per range, each made by the first call
+    in its range that the regular entry serves; later calls of both sizes, alternated,
+    run through them (the entries are not called) with NumPy's results on every rank.
+    The uneven all-to-all has no size every rank shares (the table's largest range
+    decides, once): a plain closure. ``k=1`` puts every op's selection size at 16-48 B,
+    ``k=8`` at 128 B or more."""
+    rt = mcrdl_core.get_runtime()
+    old = rt.table
+    rt.set_table(_table([[64, "mpi"], [None, "mpi"]], TABLE_OPS))
+    try:
+        for op in OPS:
+            for k in (1, 8):
+                call(op, 0, async_op=async_op, backend=None, k=k)  # general path: memo
+                call(op, 0, async_op=async_op, backend=None, k=k)  # entry: binds the range
+        keys = auto_keys(async_op)
+        for tag in TAGS.values():
+            v = keys.get(tag)
+            assert v is not None, (tag, keys)
+            if tag.endswith("_v"):
+                assert not hasattr(v, "calls"), tag  # one plan: a plain closure
+            else:
+                assert len(v.calls) == 3 and all(c not in (None, _never) for c in v.calls[:2]), tag
+        if SIZE > 1 and RANK ^ 1 < SIZE:  # a rank with a send/recv peer
+            p2p = [v for t, v in keys.items() if t in ("bound:torch.send", "bound:torch.recv")]
+            assert p2p and all(v.calls[1] not in (None, _never) for v in p2p), keys
+        refuse_entries(monkeypatch)
+        for salt in range(1, 4):
+            for op in OPS:
+                for k in (8, 1):
+                    call(op, salt, async_op=async_op, backend=None, k=k)
+        assert not rt.engine.inflight
+    finally:
+        rt.set_table(old)
+
+
+def test_a_range_that_chose_gloo_stays_on_the_entries_and_the_other_is_bound(monkeypatch):
+    """A table with gloo up to 64 B (no compiled issuer) and mpi above: the small calls
+    keep taking the entry and the general path to Gloo, every one of them, the large
+    ones run bound on MPI; results right either way, alternated."""
+    rt = mcrdl_core.get_runtime()
+    old = rt.table
+    rt.set_table(_table([[64, "gloo"], [None, "mpi"]], ("all_reduce", "all_to_all")))
+    gloo, ran = rt.backend("gloo"), []
+    for name in ("all_reduce", "all_to_all"):
+        def counted(*a, _f=getattr(gloo, name), _n=name, **kw):
+            ran.append(_n)
+            return _f(*a, **kw)
+        monkeypatch.setattr(gloo, name, counted)
+    try:
+        for salt in range(4):
+            for k in (1, 8):
+                ran.clear()
+                call("all_reduce", salt, backend=None, k=k)
+                call("all_to_all", salt, backend=None, k=k)
+                assert ran == (["all_reduce", "all_to_all"] if k == 1 else []), (k, ran)
+        keys = auto_keys()
+        for tag in ("bound:torch.all_reduce", "bound:torch.all_to_all_single"):
+            assert keys[tag].calls[0] in (None, _never), tag  # never a closure
+            assert keys[tag].calls[1] not in (None, _never), tag
+    finally:
+        rt.set_table(old)
+
+
+def test_a_table_of_one_open_range_binds_plain_closures():
+    """An entry of one open-ended range (what ``mcrdl tune`` writes where one backend
+    wins at every size) chooses alike for every size: auto's keys hold plain closures,
+    as a named backend's do, and calls of two sizes run through them."""
+    rt = mcrdl_core.get_runtime()
+    old = rt.table
+    rt.set_table(_table([[None, "mpi"]], ("all_reduce", "all_to_all")))
+    try:
+        for salt in range(3):
+            for k in (1, 8):
+                call("all_reduce", salt, backend=None, k=k)
+                call("all_to_all", salt, backend=None, k=k)
+        keys = auto_keys()
+        for tag in ("bound:torch.all_reduce", "bound:torch.all_to_all_single"):
+            assert keys.get(tag) is not None and not hasattr(keys[tag], "calls"), keys
+    finally:
+        rt.set_table(old)
+
+
+def test_a_table_then_mcrdl_backend_for_one_op():
+    """Under a table, auto's memo keys carry their size; MCRDL_BACKEND naming the op's
+    backend decides instead of the table, and that key is bound plainly (no size in its
+    memo keys) while the other ops stay by range; an explicit backend under the table is
+    bound plainly too."""
+    rt = mcrdl_core.get_runtime()
+    old = rt.table
+    rt.set_table(_table([[64, "mpi"], [None, "mpi"]], ("all_reduce", "broadcast",
+                                                       "all_gather", "all_to_all")))
 
     def max_and_broadcast(salt):  # auto: no backend named
-        t = values(RANK, 3, F, salt)
-        dist.all_reduce(t, dist.ReduceOp.MAX)
-        np.testing.assert_array_equal(t.numpy(), stack(range(SIZE), 3, salt).max(0))
-        b = values(RANK, 3, F, salt)
-        dist.broadcast(b, SIZE - 1)
-        np.testing.assert_array_equal(b.numpy(), values(SIZE - 1, 3, F, salt).numpy())
+        call("all_reduce", salt, backend=None)
+        call("broadcast", salt, backend=None)
 
     try:
         for salt in range(3):
             max_and_broadcast(salt)
-            x = torch.cat([values(RANK, k, F, salt + d) for d, k in enumerate(in_splits)])
-            y = torch.empty(sum(out_splits), dtype=F)
-            dist.all_to_all_single(y, x, out_splits, in_splits)
-            np.testing.assert_array_equal(y.numpy(), torch.cat(
-                [values(s, k, F, salt + RANK) for s, k in enumerate(out_splits)]).numpy())
+            call("all_to_all_v", salt, backend=None)
         # an uneven all-to-all has no size every rank shares: the table's largest range
         # decides, once, and the fast path serves it (its key carries no size)
         uneven = [v for k, v in rt.choices.items() if k[0] == "fast:all_to_all_v"]
         assert len(uneven) == 1 and uneven[0][1] is not None, uneven
-        keys = {k: v for k, v in rt.choices.items()
-                if isinstance(k[0], str) and k[0].startswith("bound:")}
-        assert keys and all(v is None for v in keys.values()), keys
+        keys = auto_keys()
+        assert hasattr(keys["bound:torch.all_reduce"], "calls")
+        assert hasattr(keys["bound:torch.broadcast"], "calls")
         for salt in range(3):
             call("broadcast", salt)
-        assert "bound:torch.broadcast" in bound()
-        # MCRDL_BACKEND naming the op's backend decides instead of the table: bound
-        # again, the other ops still by size
+        assert not hasattr(bound()["bound:torch.broadcast"], "calls")  # explicit: plain
         rt.set_override("all_reduce=mpi")
         for salt in range(3):
             max_and_broadcast(salt)
-        keys = {k[0]: v for k, v in rt.choices.items()
-                if isinstance(k[0], str) and k[0].startswith("bound:")}
+        keys = auto_keys()
         assert keys["bound:torch.all_reduce"] is not None
-        assert keys["bound:torch.broadcast"] is None
+        assert not hasattr(keys["bound:torch.all_reduce"], "calls")
+        assert hasattr(keys["bound:torch.broadcast"], "calls")
         sized = [k for k in rt.choices if k[0] == "fast:all_reduce"]
         assert sized and all(len(k) == 5 for k in sized), sized  # no size in the key
     finally:
