@@ -53,6 +53,7 @@ from __future__ import annotations
 import os
 import time
 from bisect import bisect_left as _bisect
+from time import perf_counter as _now
 
 from ctypes import addressof as _addressof
 from ctypes import c_char as _c_char
@@ -535,9 +536,11 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
 # (``set_table``, ``set_override``, ``destroy``) drops the closures too. A later call
 # of the key gets the closure with one dict lookup and pays only the checks that can
 # change from call to call: runtime usable, group not broken, no observer, nothing
-# deferred, logger off, no MCRDL_COMPRESSION (ops with codecs), counts that fit the
-# group, input and output apart, and then either nothing in flight (blocking) or no
-# memory conflict with what is in flight (async). Where one fails the closure returns
+# deferred, the logger off for an async call (a blocking one records itself, with the
+# op, bytes, backend and ranks its entry would record), no MCRDL_COMPRESSION (ops with
+# codecs), counts that fit the group, input and output apart, and then either nothing
+# in flight (blocking) or no memory conflict with what is in flight (async). Where one
+# fails the closure returns
 # MISS before anything is sent, and the frontend calls the entry above, which handles
 # that case (or the general path, which raises its error). What a bound call sends
 # and how a blocking one waits for a request still unfinished after the spin is the
@@ -614,20 +617,26 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
     eng = rt.engine
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     alone = not async_op or op is Op.ALL_REDUCE
+    name, bname, size = op.value, be.name, g.size  # (a logger record's fields)
 
     def call(ptr, count, owner):
+        logging_on = rt.logger.enabled
         if (rt.unusable is not None or g.broken is not None or rt.observed
-                or (alone and eng.inflight) or eng.pending or rt.logger.enabled
+                or (alone and eng.inflight) or eng.pending or (async_op and logging_on)
                 or (codecs and _ENV.get(_COMPRESSION))):
             return MISS
         if async_op:  # (spans: only the memory it touches; an empty span never conflicts)
             work = launch(op, g, issue, (ptr, count), ((ptr, ptr + count * isz, True),),
                           (owner,), eng)
             return MISS if work is None else work
+        if logging_on:
+            t0 = _now()
         left = blocking(eng.spin_s, ptr, count)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
                          (ptr, ptr + count * isz, True)), (owner,)).wait()
+        if logging_on:
+            rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
         return None
     return call
 
@@ -639,23 +648,29 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
     eng = rt.engine
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
+    name, bname = op.value, be.name
 
     def call(out_ptr, out_count, in_ptr, in_count, owners):
         small, big = (in_count, out_count) if gathers else (out_count, in_count)
         out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
+        logging_on = rt.logger.enabled
         if (big != n * small or (small and out_ptr < in_end and in_ptr < out_end)
                 or rt.unusable is not None or g.broken is not None or rt.observed
-                or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
+                or (not async_op and eng.inflight) or eng.pending or (async_op and logging_on)
                 or _ENV.get(_COMPRESSION)):
             return MISS
         if async_op:
             work = launch(op, g, issue, (out_ptr, in_ptr, small),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
             return MISS if work is None else work
+        if logging_on:
+            t0 = _now()
         left = blocking(eng.spin_s, out_ptr, in_ptr, small)
         if left is not None:
             be.fast_work(op, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
+        if logging_on:  # (the entry's figure: the big block's bytes)
+            rt.logger.records.append((name, big * isz, bname, n, _now() - t0))
         return None
     return call
 
@@ -668,22 +683,29 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
 
+    bname = be.name
+
     def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, owners):
         out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
+        logging_on = rt.logger.enabled
         if (in_count != out_count or in_rows % n or out_rows % n
                 or (in_count and out_ptr < in_end and in_ptr < out_end)
                 or rt.unusable is not None or g.broken is not None or rt.observed
-                or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
+                or (not async_op and eng.inflight) or eng.pending or (async_op and logging_on)
                 or _ENV.get(_COMPRESSION)):
             return MISS
         if async_op:
             work = launch(Op.ALL_TO_ALL, g, issue, (out_ptr, in_ptr, in_count // n),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
             return MISS if work is None else work
+        if logging_on:
+            t0 = _now()
         left = blocking(eng.spin_s, out_ptr, in_ptr, in_count // n)
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
+        if logging_on:
+            rt.logger.records.append(("all_to_all", in_count * isz, bname, n, _now() - t0))
         return None
     return call
 
@@ -695,12 +717,15 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
     eng = rt.engine
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
 
+    bname, size = be.name, g.size
+
     def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits,
              owners):
         out_end, in_end = out_ptr + out_count * isz, in_ptr + in_count * isz
+        logging_on = rt.logger.enabled
         if ((in_count and out_count and out_ptr < in_end and in_ptr < out_end)
                 or rt.unusable is not None or g.broken is not None or rt.observed
-                or (not async_op and eng.inflight) or eng.pending or rt.logger.enabled
+                or (not async_op and eng.inflight) or eng.pending or (async_op and logging_on)
                 or _ENV.get(_COMPRESSION)):
             return MISS
         if async_op:
@@ -708,14 +733,17 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
                                                     in_count, in_rows, out_splits, in_splits),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
             return MISS if work is None else work
+        if logging_on:
+            t0 = _now()
         left = blocking(eng.spin_s, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows,
                         out_splits, in_splits)
-        if left is None:
-            return None
-        if left is False:
+        if left is False:  # (splits that do not fit: nothing was sent)
             return MISS
-        be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
-                     (out_ptr, out_end, True)), owners).wait()
+        if left is not None:
+            be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
+                         (out_ptr, out_end, True)), owners).wait()
+        if logging_on:
+            rt.logger.records.append(("all_to_all", in_count * isz, bname, size, _now() - t0))
         return None
     return call
 
@@ -730,16 +758,23 @@ def _bind_barrier(rt, g, plan, async_op):
     eng = rt.engine
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
 
+    bname, size = be.name, g.size
+
     def call():
+        logging_on = rt.logger.enabled
         if (rt.unusable is not None or g.broken is not None or rt.observed or eng.inflight
-                or eng.pending or rt.logger.enabled):
+                or eng.pending or (async_op and logging_on)):
             return MISS
         if async_op:
             work = launch(Op.BARRIER, g, issue, (), _NO_MEMORY, (), eng)
             return MISS if work is None else work
+        if logging_on:
+            t0 = _now()
         left = blocking(eng.spin_s)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(Op.BARRIER, g, be.fast_request(left), _NO_MEMORY, ()).wait()
+        if logging_on:
+            rt.logger.records.append(("barrier", 0, bname, size, _now() - t0))
         return None
     return call
 
@@ -753,24 +788,32 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     ranks = g.ranks
     receives = op is Op.RECV
+    name, bname, size = op.value, be.name, g.size
 
     def call(ptr, count, tag, owner):
+        logging_on = rt.logger.enabled
         if (tag.__class__ is not int or rt.unusable is not None or g.broken is not None
                 or rt.observed or (not async_op and eng.inflight) or eng.pending
-                or rt.logger.enabled):
+                or (async_op and logging_on)):
             return MISS
         end = ptr + count * isz
         if async_op:  # (a receive's Work has the source as ``value``)
             work = launch(op, g, issue, (ptr, count, peer, tag), ((ptr, end, receives),),
                           (owner,), eng)
             return MISS if work is None else work
+        if logging_on:
+            t0 = _now()
         left = blocking(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
-            return None if left is None else ranks[left]
-        req = be.fast_request(left)
-        be.fast_work(op, g, req, ((0, 0, False), (ptr, end, True)) if receives
-                     else ((ptr, end, False), (0, 0, True)), (owner,)).wait()
-        return ranks[req.source()] if receives else None
+            done = None if left is None else ranks[left]
+        else:
+            req = be.fast_request(left)
+            be.fast_work(op, g, req, ((0, 0, False), (ptr, end, True)) if receives
+                         else ((ptr, end, False), (0, 0, True)), (owner,)).wait()
+            done = ranks[req.source()] if receives else None
+        if logging_on:
+            rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
+        return done
     return call
 
 
