@@ -540,12 +540,11 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
 # op, bytes, backend and ranks its entry would record), no MCRDL_COMPRESSION (ops with
 # codecs), counts that fit the group, input and output apart, and then either nothing
 # in flight (blocking) or no memory conflict with what is in flight (async). Where one
-# fails the closure returns
-# MISS before anything is sent, and the frontend calls the entry above, which handles
-# that case (or the general path, which raises its error). What a bound call sends
-# and how a blocking one waits for a request still unfinished after the spin is the
-# entry's; an async one is checked against the memory in flight, issued and
-# registered by the backend's ``fast_launch`` (bound with the closure).
+# fails the closure returns MISS before anything is sent, and the frontend calls the
+# entry above, which handles that case (or the general path, which raises its error).
+# What a bound call sends and how a blocking one waits for a request still unfinished
+# after the spin is the entry's; an async one is checked against the memory in flight,
+# issued and registered by the backend's ``fast_launch`` (bound with the closure).
 
 
 _KEYABLE = (int, str, ReduceOp, type(None))
@@ -561,7 +560,7 @@ def _binds(choices, bind, size=None) -> bool:
     holds a call by table range (``_ranged_*``) without a closure for this call's range
     yet. A key that holds a closure, or None (not bindable), stays as it is; so does a
     range whose plan cannot be bound (``_never``). Cheap, since every call that a bound
-    key sends back (a logger on, work in flight) comes through here."""
+    key sends back (work in flight, an async call with the logger on) comes here."""
     cur = choices.get(bind, _ABSENT)
     if cur is _ABSENT:
         return True

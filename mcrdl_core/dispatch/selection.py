@@ -407,7 +407,6 @@ class TuningTable:
         i = bisect.bisect_left(bounds, nbytes)
         return names[i] if i < len(names) else None
 
-
     def bounds(self, op: str, world_size: int, device: str, dtype_class: str,
                hosts: int = 1) -> list | None:
         """The upper bounds (bytes, inclusive; inf last where the entry is open-ended) of

@@ -32,7 +32,7 @@ def members(name):
 
 
 #: the group params of ``grp``; at 1 rank the subgroup is the world again ([0]), so the
-#: 1-rank launch runs each such test once (about 1800 items and 10 s fewer) and leaves
+#: 1-rank launch runs each such test once (about 1800 items and 25 s fewer) and leaves
 #: subgroups to the 2- and 3-rank launches, where they differ from the world
 GROUP_PARAMS = ["world", "sub"] if SIZE > 1 else ["world"]
 
