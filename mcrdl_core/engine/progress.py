@@ -21,10 +21,10 @@ a call), not a bare ``sched_yield``: ``sched_yield`` instead, or naps growing to
 made no app faster where 4 ranks share 2 cores (docs/benchmarks.md, "Why MoE stays
 near 1.1x on 4x1"). With no host-driven work in flight, it gives up the CPU the same
 way after the spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA
-progress on their own threads and engines. A wait whose works can all be slept on (``Work.block``:
-Gloo's works, a helper thread joined or torch's timed wait) with nothing
-host-driven in flight sleeps on them instead (a spinning waiter would keep the GIL and
-the core that Gloo's threads need, and its naps would see completion late).
+progress on their own threads and engines. A wait whose works can all be slept on
+(``Work.block``: Gloo's works, a helper thread joined or torch's timed wait) with
+nothing host-driven in flight sleeps on them instead (a spinning waiter would keep the
+GIL and the core that Gloo's threads need, and its naps would see completion late).
 
 Threads. The engine is shared by every thread of the process (a training loop, a
 checkpoint or metrics thread, mcrdl_torch's progress thread), and no thread keeps it
