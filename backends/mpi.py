@@ -619,12 +619,14 @@ class MPIBackend(Backend):
         compiled module), as ``fast_issuer``'s compiled issuer returns it."""
         return left
 
-    @property
+    @functools.cached_property
     def fast_launch(self):
         """``launch(op, group, issue, args, spans, keep, engine)`` (``Backend.fast_launch``):
         the compiled module's where it is built, one C call that checks the memory
         against the work in flight, issues, fills in the Work the issuer made and
-        appends it to the engine's in-flight list; else the Python one."""
+        appends it to the engine's in-flight list; else the Python one. Looked up once
+        per backend (``compiled()`` decides once per process): later reads are an
+        attribute's."""
         c = compiled()[0]
         return Backend.fast_launch.__get__(self) if c is None else c.launch
 

@@ -322,10 +322,19 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     logging_on = rt.logger.enabled
     if logging_on:
         t0 = time.perf_counter()
+    if async_op:
+        # issued and registered by the backend's launch (the MPI backend's: one C call)
+        work = be.fast_launch(op, g, issue, args, spans, keep, eng)
+        if work is None:  # the issuer refused its arguments (memory was checked above)
+            return MISS
+        if logging_on:  # (if it completed meanwhile, add_finalizer records at once)
+            work.add_finalizer(lambda: rt.logger.record(op.value, nbytes, be.name, g.size,
+                                                        time.perf_counter() - t0))
+        return work
     req = issue(*args)
     if req is False:
         return MISS
-    if not async_op and not inflight:
+    if not inflight:
         if not _spin_polling(eng, req.Test):
             be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
         if logging_on:
@@ -336,10 +345,6 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     if logging_on:
         work.add_finalizer(lambda: rt.logger.record(op.value, nbytes, be.name, g.size,
                                                     time.perf_counter() - t0))
-    if async_op:
-        work.engine = eng
-        inflight.append(work)
-        return work
     work.wait()
     return req.source() if source else None
 
