@@ -83,6 +83,11 @@ def test_stale_report_names_the_ranks():
 
 @pytest.fixture(scope="module")
 def tuned():
+    if SIZE > 2:
+        # the 2-rank launch runs it, and test_multirank.py / test_cluster.py run
+        # `mcrdl tune` on 4 ranks of 2 emulated hosts; at 3 ranks the tune and its
+        # verification pass took 15 s of the 2-core machine's suite
+        pytest.skip("mcrdl tune agreement runs in the 2-rank launch")
     folder = COMM.bcast(tempfile.mkdtemp(prefix="mcrdl-agree-") if RANK == 0 else None)
     path = os.path.join(folder, "tuning.json")
     rt = mc.get_runtime()
