@@ -81,3 +81,72 @@ def test_runtime_check_fails_work_of_a_group_broken_meanwhile():
     g.mark_broken(CommFailedError("gloo: connection closed by peer"))
     err = rt.peers_gone([w])
     assert isinstance(err, BrokenGroupError) and "connection closed" in str(err)
+
+
+class _Clock:
+    """A stand-in for the engine's ``time``: ``perf_counter`` advances 10 µs a read, and
+    by ``stop`` seconds once at the ``stop_at``-th nap (the process stopped while it
+    slept); ``sleep`` advances by what it is asked."""
+
+    def __init__(self, stop_at=None, stop=0.0):
+        self.t, self.naps, self.stop_at, self.stop = 1000.0, 0, stop_at, stop
+
+    def perf_counter(self):
+        self.t += 1e-5
+        return self.t
+
+    def sleep(self, s):
+        self.naps += 1
+        self.t += s + (self.stop if self.naps == self.stop_at else 0.0)
+
+
+class _DoneAfter(Work):
+    """Completes at its ``n``-th poll."""
+
+    def __init__(self, n, *a):
+        super().__init__(*a)
+        self.n = n
+
+    def poll(self):
+        self.n -= 1
+        return self.n <= 0
+
+
+def _timed_wait(monkeypatch, clock, work, timeout, broken):
+    """``work`` waited under ``clock`` with the runtime's own ``timeout``; each timeout
+    that would break the group is appended to ``broken``."""
+    from mcrdl_core.engine import progress
+
+    monkeypatch.setattr(progress, "time", clock)
+    eng = ProgressEngine()
+    eng.spin_s, eng.timeout = 0.0, timeout
+    eng.on_timeout = lambda works, err: broken.append(err)
+    try:
+        eng.wait([work])
+    finally:
+        monkeypatch.undo()
+
+
+def test_time_the_process_was_stopped_is_not_counted_against_the_timeout(monkeypatch):
+    """A wait whose process is stopped for 100 s in one of its naps (a paused VM: every
+    rank stopped alike) still has its 2 s once it runs again; a stop the timeout
+    counted would break a group whose peers did nothing wrong. Completion comes at the
+    400th poll, after the stop and about 0.4 s of naps."""
+    g = Group(1, [0, 1], 0, "g")
+    w = _DoneAfter(400, "test", "op", g)
+    clock, broken = _Clock(stop_at=20, stop=100.0), []
+    _timed_wait(monkeypatch, clock, w, 2.0, broken)
+    assert w.done and broken == [] and clock.t > 1100.0  # the stop did happen inside the wait
+
+
+def test_a_stop_does_not_stretch_the_timeout_beyond_the_time_left(monkeypatch):
+    """The same stop in a wait that never completes: the timeout fires after 2 s of the
+    time the process ran, with the group broken as for any timeout."""
+    from mcrdl_core.base.errors import CommTimeoutError
+
+    g = Group(1, [0, 1], 0, "g")
+    clock, broken = _Clock(stop_at=20, stop=100.0), []
+    with pytest.raises(CommTimeoutError, match="did not complete within 2 s") as exc:
+        _timed_wait(monkeypatch, clock, _Never("test", "op", g), 2.0, broken)
+    assert broken == [exc.value]
+    assert 1102.0 < clock.t < 1103.0  # 100 s stopped + 2 s counted (+ the passes' reads)

@@ -49,7 +49,14 @@ Timeouts. A wait without an explicit timeout uses the runtime's own: the shortes
 ``timeout`` of the works' groups where one is set (a torch process group's
 ``timeout=``), else ``MCRDL_TIMEOUT``. A wait past the runtime's own timeout breaks the
 groups of its unfinished works (``on_timeout``); a shorter deadline a caller passes
-leaves them in flight, to be waited again.
+leaves them in flight, to be waited again. Time the process was stopped does not
+count: where one of the loop's pauses (a nap or a block of at most 1 ms) overran by
+more than :data:`FROZEN_S` seconds, the whole machine or process was stopped meanwhile
+(a virtual machine whose CPUs the host did not run, a suspend, SIGSTOP), its peers most
+likely with it, and the deadline moves by that much. On the 2-core test VM such stops
+of 10-57 s were seen (2026-11-27), with the guest kernel reporting a "workqueue
+lockup"; counted, a stop longer than the time a wait has left would break a group whose
+peers did nothing wrong.
 
 Sooner than the timeout. Every :data:`CHECK_S` seconds of a wait the engine asks its
 ``peer_check`` hook (the runtime's ``peers_gone``) whether the unfinished works can
@@ -77,6 +84,11 @@ CHECK_S = 0.25
 #: the CPU between polls after the spin, as they do where ranks outnumber cores
 PREEMPTED_S = 200e-6
 CONTENDED_S = 1.0
+#: a pause of the wait loop (at most 1 ms asked) that overran by more than this means the
+#: process was not run at all meanwhile: that time is left out of the timeout (see above).
+#: Far beyond any scheduling delay; the time spent in polls and their callbacks is not
+#: in a pause, so a callback that blocks still counts.
+FROZEN_S = 5.0
 
 
 class ProgressEngine:
@@ -241,8 +253,11 @@ class ProgressEngine:
         # works finished by other threads (Gloo's: ``block``) need the GIL: with no
         # host-driven work in flight, the loop sleeps on them (GIL released) instead
         threaded = all(w.block is not None for w in pending)
-        last = start
+        last = paused = start
         while True:
+            resumed = time.perf_counter()
+            if resumed - paused > FROZEN_S:  # stopped meanwhile: not the peers' time
+                start += resumed - paused
             if poll_lock.acquire(False):
                 try:
                     self.progress()
@@ -264,6 +279,7 @@ class ProgressEngine:
                     if self.on_timeout is not None:
                         self.on_timeout(unfinished, err)
                     raise err
+            paused = now  # (the checks below take microseconds: what follows is the pause)
             if threaded and not any(w.host_progress for w in self.inflight):
                 w = next((w for w in pending if not w.done), None)
                 if w is not None:  # (another thread may have completed them meanwhile)
