@@ -117,14 +117,12 @@ def _timed_wait(monkeypatch, clock, work, timeout, broken):
     that would break the group is appended to ``broken``."""
     from mcrdl_core.engine import progress
 
-    monkeypatch.setattr(progress, "time", clock)
     eng = ProgressEngine()
     eng.spin_s, eng.timeout = 0.0, timeout
     eng.on_timeout = lambda works, err: broken.append(err)
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(progress, "time", clock)
         eng.wait([work])
-    finally:
-        monkeypatch.undo()
 
 
 def test_time_the_process_was_stopped_is_not_counted_against_the_timeout(monkeypatch):
