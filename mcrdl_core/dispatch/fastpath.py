@@ -319,17 +319,15 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
             return MISS
     elif eng.pending:
         return MISS
-    logging_on = rt.logger.enabled
-    if logging_on:
-        t0 = time.perf_counter()
+    # the logger's record of this call, timed from before the issue
+    record = rt.logger.start(op.value, nbytes, be.name, g.size) if rt.logger.enabled else None
     if async_op:
         # issued and registered by the backend's launch (the MPI backend's: one C call)
         work = be.fast_launch(op, g, issue, args, spans, keep, eng)
         if work is None:  # the issuer refused its arguments (memory was checked above)
             return MISS
-        if logging_on:  # (if it completed meanwhile, add_finalizer records at once)
-            work.add_finalizer(lambda: rt.logger.record(op.value, nbytes, be.name, g.size,
-                                                        time.perf_counter() - t0))
+        if record is not None:  # (if it completed meanwhile, add_finalizer records at once)
+            work.add_finalizer(record)
         return work
     req = issue(*args)
     if req is False:
@@ -337,14 +335,12 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     if not inflight:
         if not _spin_polling(eng, req.Test):
             be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
-        if logging_on:
-            rt.logger.records.append((op.value, nbytes, be.name, g.size,
-                                      time.perf_counter() - t0))
+        if record is not None:
+            record()
         return req.source() if source else None
     work = be.fast_work(op, g, req, spans, keep)
-    if logging_on:
-        work.add_finalizer(lambda: rt.logger.record(op.value, nbytes, be.name, g.size,
-                                                    time.perf_counter() - t0))
+    if record is not None:
+        work.add_finalizer(record)
     work.wait()
     return req.source() if source else None
 
