@@ -75,8 +75,13 @@ def test_suite_under_mpiexec(nranks, tmp_path):
     tallies = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     print(f"{nranks} ranks: " + "; ".join(f"rank {r}: {t['passed']} passed, {t['failed']} failed, "
                                          f"{t['skipped']} skipped" for r, t in sorted(tallies.items())))
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-12000:]}"
-    assert sorted(tallies) == list(range(nranks)), f"a rank reported nothing:\n{out[-4000:]}"
+    # each rank's first failure, and the stacks of a rank the hard stop ended (both
+    # written by tests/mpi/conftest.py as they happen: a hung launch prints no summary)
+    notes = "".join(f"\n--- {p.name}:\n{p.read_text()[:8000]}" for p in
+                    sorted(tmp_path.glob("rank*.first_failure.txt")) +
+                    sorted(tmp_path.glob("rank*.stuck.txt")) if p.stat().st_size)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-8000:]}{notes}"
+    assert sorted(tallies) == list(range(nranks)), f"a rank reported nothing:\n{out[-4000:]}{notes}"
     for r, t in tallies.items():
         assert t["failed"] == 0 and t["error"] == 0 and t["exitstatus"] == 0, (r, t)
         assert t["passed"] > 100, (r, t)
