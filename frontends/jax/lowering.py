@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mcrdl_core as _core
+from mcrdl_core.base import config as _config
 from mcrdl_core.observe import debug as _debug
 from mcrdl_core import dtypes as _dt
 from mcrdl_core.dispatch import fastpath as _fast
@@ -85,7 +86,11 @@ def _debug_at_run_time(rt, g, op, be, probe, sig) -> None:
 
 
 def _via_mpi4jax(be_name: str) -> bool:
-    return be_name == "mpi" and mpi4jax is not None
+    """Whether a traced MPI call lowers to mpi4jax's primitive. mpi4jax blocks inside
+    MPI with no timeout, so a peer that never makes the call hangs the program there
+    (and a signal cannot interrupt it); ``MCRDL_JAX_MPI4JAX=0`` trades its speed for
+    the host callback, where every wait has ``MCRDL_TIMEOUT`` and its diagnostics."""
+    return be_name == "mpi" and mpi4jax is not None and _config.get("MCRDL_JAX_MPI4JAX")
 
 
 def _spec(shape, dtype):

@@ -122,6 +122,10 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "link model the resharding planner predicts with (written by `bench/resharding.py`)"),
     Var("MCRDL_RESHARD_SEGMENT", "int, bytes", None, "n/8 in [64 KiB, 1 MiB]",
         "segment size of resharding's chain broadcasts", _int),
+    Var("MCRDL_JAX_MPI4JAX", "bool", True, "on",
+        "under `jax.jit`, MPI calls lower to mpi4jax's primitives, which block inside MPI "
+        "with no timeout; off: they run in MCR-DL's host callback, under `MCRDL_TIMEOUT` "
+        "with its diagnostics", _bool),
     Var("MCRDL_EXIT_GUARD", "bool", True, "on",
         "after a fault, leave by `os._exit` instead of a normal exit that can hang in "
         "`MPI_Finalize`", _bool),

@@ -73,3 +73,27 @@ def test_jit_reduce_scatter_on_mpi_is_a_reduce_scatter(dt):
                                err_msg=f"rank {RANK}")
     assert y.shape == (2, 3) and y.dtype == x.dtype
     assert [(op, be) for op, _, be, *_ in records] == [("reduce_scatter", "mpi")], records
+
+
+def test_mpi4jax_off_runs_mpi_calls_in_the_host_callback(monkeypatch):
+    """MCRDL_JAX_MPI4JAX=0: jitted MPI calls hold no mpi4jax primitive (those block in
+    MPI with no timeout) but the host callback, where waits have MCRDL_TIMEOUT, and
+    give the same results: all-reduce, gather to the last rank, and a ring sendrecv."""
+    monkeypatch.setenv("MCRDL_JAX_MPI4JAX", "0")
+    x = jnp.asarray(np.arange(6, dtype=np.float32) + RANK)
+    root, nxt, prv = SIZE - 1, (RANK + 1) % SIZE, (RANK - 1) % SIZE
+
+    def f(v):
+        return (mj.all_reduce(v, backend="mpi"), mj.gather(v, dst=root, backend="mpi"),
+                mj.sendrecv(v, jnp.zeros_like(v), source=prv, dest=nxt, tag=41, backend="mpi"))
+
+    text = jax.jit(f).lower(x).as_text()
+    assert "mpi_" not in text.replace("mpi4jax", "") and "python_cpu_callback" in text, \
+        text[-2000:]
+    s, g, r = jax.jit(f)(x)
+    base = np.arange(6, dtype=np.float64)
+    np.testing.assert_array_equal(np.asarray(s), SIZE * base + sum(range(SIZE)),
+                                  err_msg=f"rank {RANK}")
+    want_g = np.stack([base + k for k in range(SIZE)]) if RANK == root else base + RANK
+    np.testing.assert_array_equal(np.asarray(g), want_g, err_msg=f"rank {RANK}")
+    np.testing.assert_array_equal(np.asarray(r), base + prv, err_msg=f"rank {RANK}")
