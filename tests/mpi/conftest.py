@@ -72,32 +72,30 @@ def finish(result, async_op):
         assert result is None
 
 
-#: seconds after which a test still running ends its rank, with every thread's Python
-#: stack on stderr: the backstop for a test stuck inside C, which pytest-timeout's signal
-#: (120 s in the launches) cannot interrupt. mpi4jax's primitives under jit block in MPI
-#: with no timeout of their own; a jitted send or gather whose peer never comes would
-#: otherwise hold the launch until its hard limit (1200 s) with no word of where. The
-#: rank leaves with exit status 1, mpiexec then ends the others, and the launch fails in
-#: minutes. Longer than pytest-timeout's 120 s, so a test stuck in Python code still
+#: seconds after which a test still running ends its rank and writes down every
+#: thread's Python stack: the backstop for a test stuck inside C, which pytest-timeout's
+#: signal (120 s in the launches) cannot interrupt. mpi4jax's primitives under jit block
+#: in MPI with no timeout of their own; a jitted send or gather whose peer never comes
+#: would otherwise hold the launch until its hard limit (1200 s) with no word of where.
+#: The rank leaves with exit status 1, mpiexec then ends the others, and the launch fails
+#: in minutes. Longer than pytest-timeout's 120 s, so a test stuck in Python code still
 #: fails on its own and the suite goes on. The stacks go to ``rank<N>.stuck.txt`` in
-#: MCRDL_RESULTS_DIR (the launcher prints them with the failure), else in the temp
-#: directory: pytest's capture holds fd 2 while a test runs, and what it holds is lost
-#: when the process ends this way.
+#: MCRDL_RESULTS_DIR (the launcher prints them with the failure), else in the rank's
+#: pytest temp directory (kept when the rank ends this way): not to stderr, which
+#: pytest's capture holds while a test runs and loses when the process ends this way.
 HARD_STOP_S = float(os.environ.get("MCRDL_TEST_HARD_STOP_S", "240"))
-_STUCK = {}
+_DIAG = {}  # "stacks": the open file of the stacks; "first_failure": its test id
 
 
 @pytest.fixture(autouse=True)
-def _hard_stop():
+def _hard_stop(request):
     import faulthandler
-    import tempfile
 
-    if "file" not in _STUCK:
-        out_dir = os.environ.get("MCRDL_RESULTS_DIR") or tempfile.gettempdir()
-        name = f"rank{RANK}.stuck.txt" if "MCRDL_RESULTS_DIR" in os.environ else \
-            f"mcrdl-rank{RANK}-{os.getpid()}.stuck.txt"
-        _STUCK["file"] = open(os.path.join(out_dir, name), "w")
-    faulthandler.dump_traceback_later(HARD_STOP_S, exit=True, file=_STUCK["file"])
+    if "stacks" not in _DIAG:
+        out_dir = os.environ.get("MCRDL_RESULTS_DIR") or str(request.config.option.basetemp)
+        os.makedirs(out_dir, exist_ok=True)
+        _DIAG["stacks"] = open(os.path.join(out_dir, f"rank{RANK}.stuck.txt"), "w")
+    faulthandler.dump_traceback_later(HARD_STOP_S, exit=True, file=_DIAG["stacks"])
     yield
     faulthandler.cancel_dump_traceback_later()
 
@@ -125,9 +123,9 @@ def pytest_runtest_logreport(report):
     end of the session, which a hung launch never reaches. The launcher prints the file
     with the failure."""
     out_dir = os.environ.get("MCRDL_RESULTS_DIR")
-    if not report.failed or not out_dir or "first_failure" in _STUCK:
+    if not report.failed or not out_dir or "first_failure" in _DIAG:
         return
-    _STUCK["first_failure"] = report.nodeid
+    _DIAG["first_failure"] = report.nodeid
     with open(os.path.join(out_dir, f"rank{RANK}.first_failure.txt"), "w") as f:
         f.write(f"{report.nodeid} ({report.when}):\n{report.longreprtext[-6000:]}\n")
 
