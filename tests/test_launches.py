@@ -121,3 +121,62 @@ def test_a_handled_fault_does_not_end_the_peers(backend):
     for r in range(3):
         assert f"rank {r}: finished" in out, out[-6000:]
     assert "rank 1: handled CommTimeoutError" in out, out[-6000:]
+
+
+_RELEASE_JOB = """
+import atexit, os
+import torch, torch.distributed as dist
+import mcrdl_autoload
+import mcrdl_core as mc
+
+def after():  # registered before the runtime, so it runs after the runtime's exit handler
+    left = [g.comms.get("gloo") for g in mc.get_runtime().groups]
+    print(f"rank {os.environ['RANK']}: gloo comms at exit: {left}", flush=True)
+
+atexit.register(after)
+mcrdl_autoload.register()
+dist.init_process_group("mcrdl")
+t = torch.ones(3)
+dist.all_reduce(t)
+assert t.tolist() == [2.0] * 3, t
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("guard", ["1", "0"])
+def test_a_clean_exit_releases_the_gloo_process_groups_first(guard):
+    """At a clean exit the runtime's Gloo process groups are released while the
+    interpreter is whole (faults.release_at_clean_exit): left to its teardown, Gloo's
+    threads can abort the process after the job succeeded. MCRDL_EXIT_GUARD=0 leaves
+    exit untouched, which shows the check can fail: the group is still there."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _RELEASE_JOB], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port, MCRDL_EXIT_GUARD=guard))
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-3000:]
+        released = f"rank {r}: gloo comms at exit: [None]" in out
+        assert released == (guard == "1"), out[-3000:]
+
+
+def test_releases_run_only_at_a_clean_exit(monkeypatch):
+    """A recorded fault skips the releases (a process group's destructor could wait on
+    work a dead peer never finishes; the exit guard decides that exit instead)."""
+    from mcrdl_core.engine import faults
+
+    ran = []
+    monkeypatch.setattr(faults, "_releases", [])
+    monkeypatch.setattr(faults, "_mpi_initialized", lambda: False)
+    monkeypatch.setattr(faults, "_finish_unwaited", lambda grace: None)
+    faults.release_at_clean_exit(lambda: ran.append("released"))
+    faults.release_at_clean_exit(faults._releases[0])  # once per callable
+    monkeypatch.setattr(faults, "_faults", [])
+    faults._at_exit()
+    assert ran == ["released"]
+    monkeypatch.setattr(faults, "_faults", [RuntimeError("a timed-out wait")])
+    monkeypatch.setattr(faults, "_stuck_threads", [])
+    faults._at_exit()
+    assert ran == ["released"]
