@@ -162,7 +162,6 @@ class GlooBackend(Backend):
         super().__init__(runtime)
         self._stores: dict = {}  # member ranks -> store (MPI bootstrap)
         self._made: dict = {}  # (group key, ranks) -> Gloo groups made under it so far
-        _faults.release_at_clean_exit(self._release_at_exit)
 
     @classmethod
     def unavailable_reason(cls, bootstrap):
@@ -250,6 +249,7 @@ class GlooBackend(Backend):
         # destroy_process_group + init_process_group): each rendezvous of the same key and
         # ranks gets its own prefix, counted alike on every member (non-members of an
         # earlier group of that name did not count it)
+        _faults.release_at_clean_exit(self._release_at_exit)
         mark = (group.key, group.ranks)
         n = self._made[mark] = self._made.get(mark, -1) + 1
         ranks = ",".join(map(str, group.ranks))

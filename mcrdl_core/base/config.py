@@ -128,7 +128,7 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "with its diagnostics", _bool),
     Var("MCRDL_EXIT_GUARD", "bool", True, "on",
         "after a fault, leave by `os._exit` instead of a normal exit that can hang in "
-        "`MPI_Finalize`; at a clean exit, release Gloo's process groups first", _bool),
+        "`MPI_Finalize`", _bool),
     Var("MCRDL_FAULT_GRACE_S", "float, seconds", 5.0, "`5`",
         "time helper threads of timed-out work get before the exit guard acts", _float),
     Var("MCRDL_CLUSTER", "string", None, "set by `mcrdl cluster run`",

@@ -43,10 +43,8 @@ others in ``MPI_Finalize`` until the job is killed), and a fault cannot tell a d
 peer from a slow one. ``status`` is 1 when an exception reached the top level
 (Python's own status for it), else 0. ``MPI_Finalize``, torch's destructors and atexit
 hooks registered before the runtime was created are skipped then; stdout and stderr are
-flushed first. Without a fault, the exit only runs the releases registered with
-:func:`release_at_clean_exit` (the Gloo backend's process groups and stores), then
-goes on as usual. ``MCRDL_EXIT_GUARD=0`` turns the
-last resort and the releases off (to measure what the libraries do without them).
+flushed first. Without a fault, exit is untouched. ``MCRDL_EXIT_GUARD=0`` turns the
+last resort off (to measure what the libraries do without it).
 """
 from __future__ import annotations
 
