@@ -41,7 +41,6 @@ from mcrdl_core import dtypes as dt
 from mcrdl_core.world.backend import Backend
 from mcrdl_core.memory.buffer import Buffer
 from mcrdl_core.base.ops import Op, ReduceOp
-from mcrdl_core.engine import faults as _faults
 from mcrdl_core.engine.work import ChainWork, EventWork, ThreadWork, Work
 
 _gpu = _cuda.cuda_dispatch
@@ -249,7 +248,6 @@ class GlooBackend(Backend):
         # destroy_process_group + init_process_group): each rendezvous of the same key and
         # ranks gets its own prefix, counted alike on every member (non-members of an
         # earlier group of that name did not count it)
-        _faults.release_at_clean_exit(self._release_at_exit)
         mark = (group.key, group.ranks)
         n = self._made[mark] = self._made.get(mark, -1) + 1
         ranks = ",".join(map(str, group.ranks))
@@ -267,13 +265,6 @@ class GlooBackend(Backend):
         for g in self.rt.groups:
             g.comms.pop(self.name, None)
         self._stores.clear()
-
-    def _release_at_exit(self):
-        """At a clean exit: release the process groups and stores while the interpreter
-        is whole (``faults.release_at_clean_exit``), unless Gloo work is still in flight
-        (a process group's destructor would wait for it)."""
-        if not any(getattr(w, "backend", None) == self.name for w in self.rt.engine.inflight):
-            self.destroy()
 
     # --- helpers ------------------------------------------------------------------------
     def _work(self, op, group, twork, bufs, finalize=None, desc=""):

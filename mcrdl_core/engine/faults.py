@@ -207,22 +207,6 @@ def _finish_unwaited(limit_s: float) -> None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(w))
 
 
-#: callables run at a clean exit (no fault), while the interpreter is still whole
-_releases: list = []
-
-
-def release_at_clean_exit(fn) -> None:
-    """Run ``fn()`` at exit when no fault was recorded, before the interpreter
-    finalizes: for library objects whose destruction needs a live interpreter. Torch's
-    Gloo process groups are one: left to the interpreter's teardown, their worker threads
-    can still hold work whose tensors reach back into Python, and releasing those then
-    aborts the process ("terminate called without an active exception", SIGABRT after a
-    job had succeeded: 2 of the last 5 fresh-clone suites; reported to torch too). Once per
-    ``fn``; an error is logged, not raised."""
-    if fn not in _releases:
-        _releases.append(fn)
-
-
 def _at_exit() -> None:
     if not _config.get("MCRDL_EXIT_GUARD"):
         return
@@ -231,11 +215,6 @@ def _at_exit() -> None:
     if not _faults:
         if mpi:  # the peers with a fault wait for this rank here (see the module doc)
             _exit_barrier(2 * GRACE_S + 1.0)
-        for fn in _releases:
-            try:
-                fn()
-            except Exception as exc:  # the exit goes on; say what could not be released
-                log.warning("mcrdl: at exit, %s failed: %s", fn, exc)
         return
     alive = _join([t for t in _stuck_threads if t.is_alive()], GRACE_S)
     if not alive and not mpi:
