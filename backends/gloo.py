@@ -24,10 +24,15 @@ through pinned host memory by ``mcrdl_core.memory.cuda.staged_call``.
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
+import ctypes
 import datetime
 import functools
 import os
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -112,6 +117,90 @@ def env_store(bootstrap):
     return dist.PrefixStore(_bootstrap.store_prefix(), store)
 
 
+class _Held:
+    """The torch tensors of finished Gloo works, held until Gloo's worker thread has let
+    go of the work.
+
+    Why: torch's Gloo thread drops its own reference to a work a moment after marking it
+    done. A tensor whose Python object loses its last Python reference while a C++ owner
+    remains is kept alive by torch, and the last C++ owner then frees the Python object,
+    which needs the GIL. When that owner is Gloo's thread and the interpreter is in its
+    final teardown, asking for the GIL ends the thread on the spot, inside a destructor
+    that may not throw: the process aborts ("terminate called without an active
+    exception", SIGABRT) after the job succeeded. Seen under gdb at 2 ranks (8 of 40
+    launches): ``~AsyncWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
+    ``pthread_exit`` -> ``std::terminate``. The views this backend makes have no other
+    C++ owner, so a held entry is let go once each of its tensors has a use count of 1
+    (its Python object alone), checked whenever a Gloo work finishes or is made; the
+    holder keeps at most ``CAP`` entries (letting the oldest go early, which only
+    costs Gloo's thread a GIL round trip while the interpreter is whole). At exit
+    (``drain``, an atexit handler: the interpreter is still whole) the rest are waited
+    for up to ``EXIT_WAIT_S`` and whatever is still owned by Gloo is kept for good.
+    """
+
+    CAP = 256
+    EXIT_WAIT_S = 2.0
+
+    def __init__(self):
+        self._q: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _free(entry) -> bool:
+        return all(t._use_count() <= 1 for t in entry)
+
+    def add(self, objs) -> None:
+        entry = tuple(_tensors(objs))
+        with self._lock:
+            if entry:
+                self._q.append(entry)
+            self._sweep()
+
+    def sweep(self) -> None:
+        if self._q:
+            with self._lock:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        q = self._q
+        while q and (len(q) > self.CAP or self._free(q[0])):
+            q.popleft()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def drain(self, wait_s: float | None = None) -> int:
+        """At exit: wait (up to ``wait_s``) for Gloo's threads to let go of the held
+        works, then keep what is left alive for good. Returns how many were left."""
+        deadline = time.monotonic() + (self.EXIT_WAIT_S if wait_s is None else wait_s)
+        while True:
+            with self._lock:
+                self._q = collections.deque(e for e in self._q if not self._free(e))
+                left = list(self._q)
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
+        for entry in left:  # never freed: Gloo's thread then never needs the GIL for them
+            for t in entry:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))
+        return len(left)
+
+
+def _tensors(objs):
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, (list, tuple)):
+            yield from _tensors(o)
+
+
+#: one per process: every Gloo work of every group hands its tensors here when it ends
+_HELD = _Held()
+if not hasattr(torch.Tensor, "_use_count"):  # an older torch: hold the last CAP, keep at exit
+    _Held._free = staticmethod(lambda entry: False)
+atexit.register(_HELD.drain)
+
+
 class GlooWork(Work):
     """A torch Gloo work. Polled by ``is_completed()``; ``block`` lets a wait on Gloo
     alone sleep until Gloo's thread finishes it instead of polling."""
@@ -123,6 +212,12 @@ class GlooWork(Work):
         self.twork = twork
         self.keep = keep
         self.on_stream = contextlib.nullcontext  # CUDA: makes the producer stream current
+
+    def complete(self, error: BaseException | None = None) -> None:
+        keep = self.keep
+        super().complete(error)
+        if keep and self.done:  # Gloo's thread may still hold the work: see _Held
+            _HELD.add(keep)
 
     def poll(self) -> bool:
         if not self.twork.is_completed():
@@ -268,6 +363,7 @@ class GlooBackend(Backend):
 
     # --- helpers ------------------------------------------------------------------------
     def _work(self, op, group, twork, bufs, finalize=None, desc=""):
+        _HELD.sweep()
         return GlooWork(op, group, twork, bufs, finalize, desc)
 
     @staticmethod
@@ -283,6 +379,7 @@ class GlooBackend(Backend):
         work = ThreadWork("gloo", op, run, group, desc=desc)
         if finalize:
             work.add_finalizer(finalize)
+        work.add_finalizer(lambda: _HELD.add(keep))  # Gloo's thread may still hold it
         return work
 
     # --- point to point -----------------------------------------------------------------
