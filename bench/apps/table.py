@@ -249,8 +249,11 @@ def run_config(a, cluster, hosts: int, ranks: list) -> list:
             for rep in range(a.repeats):
                 k = rep % len(vs)
                 for v in vs[k:] + vs[:k]:
-                    runs[v[0]].append(launch(app, n, v, a.steps, str(table), cluster, hosts,
-                                             a.shape, a.dlrm))
+                    r = launch(app, n, v, a.steps, str(table), cluster, hosts, a.shape, a.dlrm)
+                    runs[v[0]].append(r)
+                    # each run as it ends: a table cut off by a time limit still says these
+                    print(f"  {app} n={n} repeat {rep + 1}: {v[0]:26s} "
+                          f"{r['samples_per_s']:10.0f} samples/s", flush=True)
             final = {}
             if a.loss_steps:
                 for v in vs:
