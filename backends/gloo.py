@@ -133,7 +133,9 @@ class _Held:
     C++ owner, so a held entry is let go once each of its tensors has a use count of 1
     (its Python object alone), checked whenever a Gloo work finishes or is made; the
     holder keeps at most ``CAP`` entries (letting the oldest go early, which only
-    costs Gloo's thread a GIL round trip while the interpreter is whole). At exit
+    costs Gloo's thread a GIL round trip while the interpreter is whole). So the views
+    of the last Gloo work, and the memory they reach, may live until the next Gloo call
+    of the process (or its exit), not only until its ``wait()``. At exit
     (``drain``, an atexit handler: the interpreter is still whole) the rest are waited
     for up to ``EXIT_WAIT_S`` and whatever is still owned by Gloo is kept for good.
     """
