@@ -5,9 +5,12 @@ signed zeros, subnormals, NaN and Inf mixed in (the kernels hand those blocks ba
 Python path, which must then produce the whole result); decoding arbitrary bytes agrees
 too. The kernels must really run on ordinary data (not silently decline), decline what
 they do not handle, stay off under MCRDL_CODEC_KERNELS=0, and a library built from
-another version of the source is refused. Where ``make install`` did not build the
-library, the tests build one of their own: nothing here is skipped."""
+another version of the source is refused. fp16 has two kernels (the CPU's F16C
+conversions where it has them, and bit arithmetic): both are checked against the Python
+path. Where ``make install`` did not build the library, the tests build one of their own:
+nothing here is skipped."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -39,7 +42,26 @@ def kernels(lib, monkeypatch):
 
     def use(on: bool):
         monkeypatch.setenv("MCRDL_CODEC_KERNELS", "1" if on else "0")
-    return use
+    yield use
+    lib.mcrdl_fp16_simd(1)
+
+
+def cpu_has_f16c() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f
+                      if line.startswith("flags")), [])
+    return "avx2" in flags and "f16c" in flags
+
+
+def fp16_kernels(lib, name: str) -> list:
+    """The fp16 kernels to compare (1: F16C, 0: bit arithmetic); one pass for the
+    other codecs. The F16C one must be in use wherever the CPU has it."""
+    if name != "fp16":
+        return [None]
+    lib.mcrdl_fp16_simd(1)
+    simd = lib.mcrdl_fp16_simd(-1)
+    assert simd == (platform.machine() == "x86_64" and cpu_has_f16c()), simd
+    return [1, 0] if simd else [0]
 
 
 def round_trip(codec, x):
@@ -51,13 +73,17 @@ def round_trip(codec, x):
 
 
 def both(kernels, codec, x):
-    kernels(True)
-    got = round_trip(codec, x)
     kernels(False)
     want = round_trip(codec, x)
-    assert np.array_equal(got[0], want[0]), f"{codec}: bytes differ"
-    assert np.array_equal(got[1], want[1]), f"{codec}: decoded bits differ"
-    assert got[2] == want[2]
+    lib = native._LIB
+    for simd in fp16_kernels(lib, codec.kind):
+        if simd is not None:
+            lib.mcrdl_fp16_simd(simd)
+        kernels(True)
+        got = round_trip(codec, x)
+        assert np.array_equal(got[0], want[0]), f"{codec} (simd {simd}): bytes differ"
+        assert np.array_equal(got[1], want[1]), f"{codec} (simd {simd}): decoded bits differ"
+        assert got[2] == want[2]
 
 
 CODECS = ["int8", "fp8", "fp16"]
@@ -123,13 +149,17 @@ def test_decoding_any_bytes_agrees(kernels, name, n, seed, words):
         else:
             w[...] = ((rng.integers(900, 1300, nb).astype(np.uint32) << 19)
                       | rng.integers(0, 1 << 19, nb).astype(np.uint32))
-    outs = []
-    for on in (True, False):
+    def decoded(on: bool):
         kernels(on)
         out = np.full(n, 7, np.float32)
         ok = codec.decode(enc, out)
-        outs.append((out.view(np.uint32), ok))
-    assert np.array_equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
+        return out.view(np.uint32), ok
+    want = decoded(False)
+    for simd in fp16_kernels(native._LIB, name):
+        if simd is not None:
+            native._LIB.mcrdl_fp16_simd(simd)
+        got = decoded(True)
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1], simd
 
 
 def test_the_kernels_run_on_ordinary_data_and_decline_the_rest(kernels):

@@ -25,7 +25,7 @@ import numpy as np
 from ..base import config as _config
 
 #: the source's KERNELS_VERSION this loader speaks to
-VERSION = 1
+VERSION = 2
 SOURCE = Path(__file__).with_name("codec_kernels.c")
 TARGET = SOURCE.with_name("codec_kernels.so")
 
@@ -52,6 +52,7 @@ def load(path: Path = TARGET):
     lib.mcrdl_absmax_decode.argtypes = [_ptr, _ptr, _i64, _i64, _int, _int, _int, _ptr]
     lib.mcrdl_fp16_encode.argtypes = [_ptr, _i64, _i64, _ptr, _ptr]
     lib.mcrdl_fp16_decode.argtypes = [_ptr, _ptr, _i64, _i64, _ptr]
+    lib.mcrdl_fp16_simd.argtypes = [_int]
     return lib, "built"
 
 

@@ -489,7 +489,9 @@ def cmd_info(args) -> int:
         print("torch tensor facts: " + ("compiled (mcrdl_torch.tensor_facts)" if mod is not None
                                         else "read from Python: " + why))
     lib, why = _native.library()
-    print("codec kernels: " + ("compiled (mcrdl_core/compress/codec_kernels.so)"
+    print("codec kernels: " + ("compiled (mcrdl_core/compress/codec_kernels.so; fp16 on "
+                               + ("the CPU's F16C conversions)" if lib.mcrdl_fp16_simd(-1)
+                                  else "bit arithmetic: no AVX2/F16C here)")
                                if _native.active() is not None else
                                "NumPy path: " + (why if lib is None else
                                                  "MCRDL_CODEC_KERNELS is off")))
