@@ -23,8 +23,10 @@ reduce_scatter, all_reduce, all_to_all). All-to-all is compressed only where nam
 (``all_to_all=fp8`` or the keyword): it carries activations and tokens (MoE dispatch,
 DLRM embeddings), not the weights and gradients a job allows a bare spec for, so
 a job that set ``MCRDL_COMPRESSION=int8`` for FSDP does not start compressing them.
-All-to-all has one algorithm (one backend all-to-all of the encoded bytes, ``a2a``;
-the default ``ring`` spelling means it too, ``p2p`` is refused).
+All-to-all has one algorithm, ``a2a``: each destination's block encoded once and
+decoded once by its receiver, moved by one tagged send per peer on host backends or one
+backend all-to-all of the encoded bytes on NCCL (the default ``ring`` spelling means it
+too, ``p2p`` is refused).
 ``MCRDL_COMPRESSION_CHUNKS`` sets the default pipeline depth. Off unless set: lossy
 compression is never used unless allowed here or by the keyword.
 """
@@ -186,8 +188,8 @@ def _resolve(compression, op: Op, dtype: _dt.DType, reduce_op):
             raise DtypeError(f"compression {name!r} is lossy and refuses {dtype.name} data; "
                              "pass compression=None (or 'none') for integer tensors")
     if op is Op.ALL_TO_ALL and getattr(cz, "algorithm", None) == "p2p":
-        raise UnsupportedError(f"compressed all_to_all has one algorithm (a2a: one backend "
-                               f"all-to-all of the encoded blocks), not {cz.algorithm!r}; "
+        raise UnsupportedError(f"compressed all_to_all has one algorithm (a2a: each block "
+                               f"encoded once for its destination), not {cz.algorithm!r}; "
                                f"pass compression={cz.codec!r}")
     if reduce_op is not None and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         if lenient:

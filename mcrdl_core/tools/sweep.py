@@ -65,7 +65,7 @@ def array_module(device: str):
 
 #: the compressed algorithms measured per op (all_gather's a2a, one backend all-gather
 #: of the encoded bytes, is left out: it is the ring's wire volume in one call);
-#: all_to_all has one: each destination's block encoded once, one backend all-to-all
+#: all_to_all has one: each destination's block encoded once and sent to it
 COMPRESSED_ALGORITHMS = {"all_gather": ("ring",), "reduce_scatter": ("ring", "a2a"),
                          "all_reduce": ("ring",), "all_to_all": ("a2a",)}
 

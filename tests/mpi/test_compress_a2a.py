@@ -95,6 +95,26 @@ def test_even_splits(codec, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+def test_one_backend_all_to_all_schedule(codec, backend, monkeypatch):
+    """The schedule of backends without tagged point-to-point in any order (NCCL's
+    streams), run here on a host backend: all blocks in one backend all-to-all of
+    staging bytes. Same values as the per-peer schedule: uneven splits (two patterns,
+    empty blocks among them) and in place (an idle rank: ``test_zero_elements``)."""
+    from mcrdl_core.compress.schedule import Channel
+
+    monkeypatch.setattr(Channel, "force_paired", True)
+    assert np.array_equal(exchange(1, backend, compression=codec), expected(codec, 1))
+    assert np.array_equal(exchange(2, backend, compression=codec), expected(codec, 2))
+    n = 70
+    x = torch.from_numpy(data(RANK, SIZE * n, 23))
+    mc.all_to_all_single(x, x, backend=backend, compression=codec)
+    for k in range(SIZE):
+        assert np.array_equal(x[k * n:(k + 1) * n].numpy(),
+                              ref(codec, k, data(k, SIZE * n, 23)[RANK * n:(RANK + 1) * n]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_error_is_the_codecs(backend):
     """The received values are within each codec's stated bound of the sender's."""
     n = 2000
@@ -109,9 +129,14 @@ def test_error_is_the_codecs(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_zero_elements(backend):
+@pytest.mark.parametrize("paired", [False, True], ids=["per-peer", "one-all-to-all"])
+def test_zero_elements(backend, paired, monkeypatch):
     """No rank sends anything (0-byte Alltoallv on every rank), and a call in which this
-    rank alone sends and receives nothing while the others exchange."""
+    rank alone sends and receives nothing while the others exchange; in both schedules
+    (``paired``: one backend all-to-all, as NCCL's streams get)."""
+    from mcrdl_core.compress.schedule import Channel
+
+    monkeypatch.setattr(Channel, "force_paired", paired)
     empty = np.zeros((0, 5), np.float32)
     mc.all_to_all_single(np.zeros((0, 5), np.float32), empty, [0] * SIZE, [0] * SIZE,
                          backend=backend, compression="fp8")
@@ -275,9 +300,10 @@ def test_only_blocks_that_cross_hosts_are_encoded(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_same_host_blocks_go_straight_between_the_arrays(backend, monkeypatch):
     """On several hosts the raw blocks for same-host peers are one send and one receive
-    each, from the input into the output (no staging copies), none for an empty block;
-    an in-place call keeps them in the all-to-all's staging buffers (it must read every
-    block before it writes one) and still gets the right values."""
+    each, from the input into the output (float32 views of them, not staging bytes),
+    none for an empty block; blocks for other hosts go as encoded bytes. An in-place
+    call keeps every block in staging buffers (it must read every block before it
+    writes one) and still gets the right values."""
     host = mc.get_runtime().bootstrap.host_of
     if not host or len(set(host)) < 2:
         pytest.skip("one host: every block is encoded")
@@ -286,23 +312,24 @@ def test_same_host_blocks_go_straight_between_the_arrays(backend, monkeypatch):
     calls, real = [], Channel.a2a_p2p
 
     def spy(self, send, arr, peer, tag):
-        calls.append((send, peer, arr.size))
+        calls.append((send, peer, arr.size if arr.dtype != np.uint8 else -1))
         return real(self, send, arr, peer, tag)
 
     monkeypatch.setattr(Channel, "a2a_p2p", spy)
+    peers = [k for k in range(SIZE) if k != RANK and host[k] == host[RANK]]
     for salt in (3, 4):
         calls.clear()
         assert np.array_equal(exchange(salt, backend, compression="int8"),
                               expected("int8", salt))
-        peers = [k for k in range(SIZE) if k != RANK and host[k] == host[RANK]]
         want = [(True, k, rows(RANK, k, salt) * WIDTH) for k in peers if rows(RANK, k, salt)]
         want += [(False, k, rows(k, RANK, salt) * WIDTH) for k in peers if rows(k, RANK, salt)]
-        assert sorted(calls) == sorted(want), (salt, calls)
+        assert sorted(c for c in calls if c[1] in peers) == sorted(want), (salt, calls)
+        assert all(c[2] == -1 for c in calls if c[1] not in peers), calls  # encoded
     calls.clear()
     n = 40
     x = torch.from_numpy(data(RANK, SIZE * n, 21))
     mc.all_to_all_single(x, x, backend=backend, compression="int8")
-    assert calls == []
+    assert calls and all(c[2] == -1 for c in calls), calls
     for k in range(SIZE):
         assert np.array_equal(x[k * n:(k + 1) * n].numpy(),
                               ref("int8", k, data(k, SIZE * n, 21)[RANK * n:(RANK + 1) * n]))
