@@ -17,8 +17,8 @@ import torch
 import mcrdl_core as mc
 from conftest import BACKENDS, RANK, SIZE
 from mcrdl_core.compress import make_codec
-from mcrdl_core.base.errors import (DtypeError, InvalidArgumentError, MismatchError,
-                                    UnsupportedError)
+from mcrdl_core.base.errors import (CommTimeoutError, DtypeError, InvalidArgumentError,
+                                    MismatchError, UnsupportedError)
 from test_compress import data, local_round_trip
 
 CODECS = ["fp8", "int8", "fp16", "bf16", "none"]
@@ -176,6 +176,37 @@ def test_async(codec, backend):
     work.wait()
     assert work.is_completed()
     assert np.array_equal(out.reshape(-1), expected(codec, 5))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_late_peer_is_named_by_the_timeout_and_the_call_still_completes(backend):
+    """Rank 0's wait on a compressed all-to-all whose peers join late times out naming
+    the op, the backend and the ranks it is waiting to hear from; the work stays valid
+    and completes with the right values once they join."""
+    import time
+
+    n = 50
+    x = data(RANK, SIZE * n, 31)
+    out = np.empty(SIZE * n, np.float32)
+    # the backend set up (Gloo's first call waits for every rank), and the ranks lined
+    # up: the peers' 1 s of sleep starts with rank 0's 0.3 s wait
+    mc.barrier(backend=backend)
+    if RANK == 0:
+        w = mc.all_to_all_single(out, x, backend=backend, compression="int8", async_op=True)
+        peers = ", ".join(str(k) for k in range(1, SIZE))
+        with pytest.raises(CommTimeoutError, match=r"rank 0: all_to_all on group .* via "
+                           r"backend '" + backend + r"\+int8:256@a2a' .*waiting on recv the "
+                           r"first of the receives from ranks " + peers
+                           + r" did not complete within 0.3 s"):
+            w.wait(timeout=0.3)
+        w.wait()
+    else:
+        time.sleep(1.0)
+        mc.all_to_all_single(out, x, backend=backend, compression="int8")
+    for k in range(SIZE):
+        assert np.array_equal(out[k * n:(k + 1) * n],
+                              ref("int8", k, data(k, SIZE * n, 31)[RANK * n:(RANK + 1) * n]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
