@@ -183,10 +183,6 @@ CLONES int mcrdl_absmax_decode(const uint32_t *words, const uint8_t *payload, in
     return 0;
 }
 
-/* fp16 (codecs.FP16) on float32: per block the power of two 2^k that brings the
-   largest finite magnitude into [2^14, 2^15) (k as an int32 word), then each value
-   times 2^-k rounded to float16 (ties to even). 1: a block holds NaN/Inf or needs
-   ldexp (a subnormal maximum): the Python path. */
 /* fp16's exponent k for a block whose largest magnitude has float32 bits `mx` (the
    power of two 2^k that brings it into [2^14, 2^15)); 1: the block holds NaN/Inf or
    needs ldexp (a subnormal maximum, or 2^-k outside float32's normal range): the
@@ -199,12 +195,10 @@ static inline int fp16_exponent(uint32_t mx, int *k)
     return -*k < -126 || -*k > 127;
 }
 
-static int fp16_encode_f16c(const float *x, int64_t n, int64_t block, int32_t *words,
-                            uint16_t *payload);
-static int fp16_decode_f16c(const int32_t *words, const uint16_t *payload, int64_t n,
-                            int64_t block, float *out);
-static int use_f16c(void);
-
+/* fp16 (codecs.FP16) on float32: per block the power of two 2^k that brings the
+   largest finite magnitude into [2^14, 2^15) (k as an int32 word), then each value
+   times 2^-k rounded to float16 (ties to even). 1: a block holds NaN/Inf or needs
+   ldexp (a subnormal maximum): the Python path. */
 CLONES static int fp16_encode_bits(const float *x, int64_t n, int64_t block, int32_t *words,
                                    uint16_t *payload)
 {
@@ -361,20 +355,6 @@ int mcrdl_fp16_simd(int on)
     return use_f16c();
 }
 #else
-static int fp16_encode_f16c(const float *x, int64_t n, int64_t block, int32_t *words,
-                            uint16_t *payload)
-{
-    return fp16_encode_bits(x, n, block, words, payload);
-}
-
-static int fp16_decode_f16c(const int32_t *words, const uint16_t *payload, int64_t n,
-                            int64_t block, float *out)
-{
-    return fp16_decode_bits(words, payload, n, block, out);
-}
-
-static int use_f16c(void) { return 0; }
-
 int mcrdl_fp16_simd(int on)
 {
     (void)on;
@@ -386,13 +366,19 @@ int mcrdl_fp16_simd(int on)
 int mcrdl_fp16_encode(const float *x, int64_t n, int64_t block, int32_t *words,
                       uint16_t *payload)
 {
-    return use_f16c() ? fp16_encode_f16c(x, n, block, words, payload)
-                      : fp16_encode_bits(x, n, block, words, payload);
+#ifdef HAVE_F16C_PATH
+    if (use_f16c())
+        return fp16_encode_f16c(x, n, block, words, payload);
+#endif
+    return fp16_encode_bits(x, n, block, words, payload);
 }
 
 int mcrdl_fp16_decode(const int32_t *words, const uint16_t *payload, int64_t n,
                       int64_t block, float *out)
 {
-    return use_f16c() ? fp16_decode_f16c(words, payload, n, block, out)
-                      : fp16_decode_bits(words, payload, n, block, out);
+#ifdef HAVE_F16C_PATH
+    if (use_f16c())
+        return fp16_decode_f16c(words, payload, n, block, out);
+#endif
+    return fp16_decode_bits(words, payload, n, block, out);
 }
