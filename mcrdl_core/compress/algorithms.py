@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.work import Work
+from .schedule import AnyOf
 
 
 @dataclass
@@ -251,7 +251,7 @@ def _p2p_all_to_all(ch, codec, p, x, res):
     """``all_to_all`` as one tagged send and receive per peer (host backends). Every
     receive is posted first; then each block is encoded and its send posted at once,
     so the first is on the wire while the next is encoded; each received block is
-    decoded as soon as it is in (``_Any``), while the others are still arriving.
+    decoded as soon as it is in (``schedule.AnyOf``), while the others still arrive.
     Peers are served in ring order from an offset set by this rank's place among the
     ranks of its host, so that at each step of two or more hosts every rank sends to
     a different peer rather than all of a host's ranks to the same one first. Raw
@@ -287,7 +287,7 @@ def _p2p_all_to_all(ch, codec, p, x, res):
     ok = _own_block(ch, codec, exact[r], x[ioff[r]:ioff[r + 1]], res[ooff[r]:ooff[r + 1]])
     while receives:
         if not any(w.done for _, w in receives):
-            yield _Any([w for _, w in receives], [k for k, _ in receives])
+            yield AnyOf([w for _, w in receives], [k for k, _ in receives])
         left = []
         for k, w in receives:
             if not w.done:
@@ -343,21 +343,6 @@ def _own_block(ch, codec, exact: bool, block, out) -> bool:
     own = ch.staging(codec.encoded_nbytes(block.shape[0])).array()
     codec.encode(block, own)
     return codec.decode(own, out)
-
-
-class _Any(Work):
-    """Complete as soon as one of ``works`` is (a wait for whichever receive is in
-    first); it does not finish the others, which are still polled on their own."""
-
-    def __init__(self, works, peers):
-        super().__init__(works[0].backend, works[0].op, works[0].group,
-                         desc="the first of the receives from ranks "
-                              + ", ".join(map(str, peers)))
-        self.parts = works
-        self.host_progress = any(w.host_progress for w in works)
-
-    def poll(self) -> bool:
-        return any(w.test() for w in self.parts)
 
 
 def _direct(ch, x, res) -> bool:

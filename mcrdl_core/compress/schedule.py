@@ -174,6 +174,21 @@ class _Both(Work):
         return True
 
 
+class AnyOf(Work):
+    """Complete as soon as one of ``works`` is (a wait for whichever receive is in
+    first); it does not finish the others, which are still polled on their own."""
+
+    def __init__(self, works, peers):
+        super().__init__(works[0].backend, works[0].op, works[0].group,
+                         desc="the first of the receives from ranks "
+                              + ", ".join(map(str, peers)))
+        self.parts = works
+        self.host_progress = any(w.host_progress for w in works)
+
+    def poll(self) -> bool:
+        return any(w.test() for w in self.parts)
+
+
 # --- dtype conversions between a call's buffers and the arrays the codecs work on ------
 def xp_of(buf: Buffer):
     if buf.device.kind == "cpu":
