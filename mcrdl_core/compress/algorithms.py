@@ -263,7 +263,7 @@ def _p2p_all_to_all(ch, codec, p, x, res):
     P, r = ch.size, ch.rank
     exact = p.exact or (False,) * P
     ioff, ooff = _offsets(p.in_counts), _offsets(p.out_counts)
-    straight = any(exact[k] for k in range(P) if k != r) and _direct(ch, x, res)
+    straight = any(exact[k] for k in range(P) if k != r) and _direct(x, res)
     raw = [k != r and exact[k] and straight for k in range(P)]
     send = [0 if k == r or raw[k] else b for k, b in enumerate(p.send_bytes)]
     recv = [0 if k == r or raw[k] else b for k, b in enumerate(p.recv_bytes)]
@@ -345,14 +345,13 @@ def _own_block(ch, codec, exact: bool, block, out) -> bool:
     return codec.decode(own, out)
 
 
-def _direct(ch, x, res) -> bool:
-    """Whether the raw blocks of an all-to-all can go straight from ``x`` to ``res``:
-    both host (NumPy) arrays, C-contiguous, in memory that does not overlap (an
-    in-place call reads every block before it writes one, which only the staging
-    copies allow), on a backend with tagged point-to-point (``Channel.direct_p2p``)."""
-    return (isinstance(x, np.ndarray) and isinstance(res, np.ndarray)
-            and x.flags.c_contiguous and res.flags.c_contiguous
-            and not np.may_share_memory(x, res) and ch.direct_p2p())
+def _direct(x, res) -> bool:
+    """Whether the raw blocks of a per-peer all-to-all (host arrays on a backend with
+    tagged point-to-point: ``all_to_all`` checked both) can go straight from ``x`` to
+    ``res``: C-contiguous, in memory that does not overlap (an in-place call reads
+    every block before it writes one, which only the staging copies allow)."""
+    return (x.flags.c_contiguous and res.flags.c_contiguous
+            and not np.may_share_memory(x, res))
 
 
 def _offsets(counts) -> list:
