@@ -28,13 +28,18 @@
 
 namespace {
 
-// The tensor of ``o`` if it is a torch.Tensor on the CPU, strided and contiguous.
+// The tensor of ``o`` if it is a torch.Tensor on the CPU, strided and contiguous, and
+// not nested: a nested tensor of strided layout is "contiguous" and has an address and
+// an element count, but no one shape, so the frontend's general path refuses it (with
+// the same error on every call, where the fast path would have taken it once a plain
+// tensor had bound the call's key).
 const at::Tensor *plain(PyObject *o)
 {
     if (!THPVariable_Check(o))
         return nullptr;
     const at::Tensor &t = THPVariable_Unpack(o);
-    if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || !t.is_contiguous())
+    if (!t.defined() || t.layout() != at::kStrided || t.is_nested() || !t.is_cpu()
+        || !t.is_contiguous())
         return nullptr;
     return &t;
 }
@@ -131,7 +136,7 @@ PyMODINIT_FUNC PyInit_tensor_facts(void)
     // what the frontend checks before it uses the module: the torch it was built
     // against, and the version of this file's calls
     if (PyModule_AddStringConstant(m, "TORCH_VERSION", MCRDL_TORCH_VERSION) < 0
-        || PyModule_AddIntConstant(m, "VERSION", 1) < 0) {
+        || PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

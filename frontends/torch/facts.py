@@ -1,6 +1,8 @@
 """The facts the fast path needs of a tensor, read in one call where it can be.
 
-``one(t)``: ``(address, numel)`` of a strided, contiguous CPU tensor, else None.
+``one(t)``: ``(address, numel)`` of a strided, contiguous CPU tensor that is not nested,
+else None (a nested tensor of strided layout has an address and an element count but no
+one shape: the general path refuses it, the same on every call).
 ``two(out, inp)``: ``(address, numel, dim 0)`` of each of two such tensors of one dtype
 (dim 0 is 1 for a 0-d tensor), else None. None sends the frontend to its general path,
 which checks everything and raises its errors. The caller has checked that the
@@ -20,14 +22,14 @@ _STRIDED = torch.strided
 
 
 def _one(t):
-    if t.layout is _STRIDED and t.is_cpu and t.is_contiguous():
+    if t.layout is _STRIDED and not t.is_nested and t.is_cpu and t.is_contiguous():
         return t.data_ptr(), t.numel()
     return None
 
 
 def _two(out, inp):
-    if (out.layout is _STRIDED and inp.layout is _STRIDED and out.is_cpu and inp.is_cpu
-            and out.dtype is inp.dtype and out.is_contiguous() and inp.is_contiguous()):
+    if (out.layout is _STRIDED and inp.layout is _STRIDED and not out.is_nested
+            and not inp.is_nested and out.is_cpu and inp.is_cpu and out.dtype is inp.dtype and out.is_contiguous() and inp.is_contiguous()):
         return (out.data_ptr(), out.numel(), out.shape[0] if out.dim() else 1,
                 inp.data_ptr(), inp.numel(), inp.shape[0] if inp.dim() else 1)
     return None
@@ -40,7 +42,7 @@ def _load():
         from . import tensor_facts as compiled_facts
     except ImportError as exc:
         return None, f"not built ({exc}): run python -m mcrdl_torch.build"
-    if getattr(compiled_facts, "VERSION", None) != 1:
+    if getattr(compiled_facts, "VERSION", None) != 2:  # 2: nested tensors are not plain
         return None, "built from another version of facts.cpp: rerun python -m mcrdl_torch.build"
     if compiled_facts.TORCH_VERSION != torch.__version__:
         return None, (f"built for torch {compiled_facts.TORCH_VERSION}, this is "

@@ -31,6 +31,11 @@ def to_buffer(t) -> Buffer:
         if t is None:
             raise InvalidArgumentError("expected a torch.Tensor, got None")
         return Buffer.from_dlpack(t) if hasattr(t, "__dlpack__") else _bad(t)
+    if t.is_nested:  # (strided nested tensors too: torch cannot give their one shape)
+        raise InvalidArgumentError(
+            "nested tensors are not supported: their components have no one shape to "
+            "communicate; send each component (t.unbind()) or a padded tensor "
+            "(torch.nested.to_padded_tensor(t, 0.0)) instead")
     if t.layout is not torch.strided:
         raise InvalidArgumentError(
             f"tensors of layout {t.layout} have no single memory block to send; only the "
