@@ -11,7 +11,9 @@ send each host's data over the network once, split among its ranks:
 3. all-gather inside the host: every rank gets every block.
 
 This is the shape NCCL and Horovod use for their hierarchical all-reduce. The element
-count is padded up to a multiple of L in a temporary (the padding is never read back).
+count is padded up to a multiple of L in a temporary (the padding is never read back);
+float16 and bfloat16 data is carried in float32 through the three steps and rounded
+once at the end, as the flat path rounds once (see :func:`accumulates_in`).
 Every reduce op works: SUM/PRODUCT/MIN/MAX/bitwise are associative, and AVG is the
 average of per-host averages, which is the global average because every host holds
 the same number of ranks. The all-to-all (even splits: ``all_to_all_single`` without
@@ -132,6 +134,16 @@ def _schedule(rt, g, op, steps, names, desc, spans, async_op, nbytes, keep):
     return rt.finish(work, spans, async_op, nbytes)
 
 
+def accumulates_in(dtype):
+    """The dtype the two levels reduce and carry ``dtype`` data in: float32 for float16
+    and bfloat16, as the flat path (the MPI backend reduces them upcast), so that a
+    host's partial result is not rounded to 16 bits between the levels (two hosts' sums
+    of 40000 + 40000 and -40000 - 39000 would overflow float16 there and meet as
+    inf - inf = NaN; bfloat16 would round twice); the result is rounded once, at the
+    end. Every other dtype as itself."""
+    return _dt.float32 if dtype.is_half else dtype
+
+
 def all_reduce(rt, g, buf, op, backend: str, async_op: bool):
     """The all-reduce of ``buf`` (validated, in place) on group ``g`` the hierarchical
     way where ``g`` allows it (see the module docstring), else the plain one."""
@@ -144,8 +156,9 @@ def all_reduce(rt, g, buf, op, backend: str, async_op: bool):
     intra, inter, _ = lv
     n, size = buf.numel, intra.size
     blk = -(-n // size)
-    tmp = alloc.empty((size * blk,), buf.dtype)
-    part = alloc.empty((blk,), buf.dtype)
+    wd = accumulates_in(buf.dtype)
+    tmp = alloc.empty((size * blk,), wd)
+    part = alloc.empty((blk,), wd)
     be_rs = rt.select(Op.REDUCE_SCATTER, intra, part, name, op, part.nbytes)
     be_ar = rt.select(Op.ALL_REDUCE, inter, part, name, op, part.nbytes)
     be_ag = rt.select(Op.ALL_GATHER, intra, part, name, None, tmp.nbytes)
@@ -154,11 +167,11 @@ def all_reduce(rt, g, buf, op, backend: str, async_op: bool):
     arr, t = buf.array().reshape(-1), tmp.array()
 
     def steps():
-        t[:n] = arr  # after the ordering wait: the data the call was given
+        t[:n] = arr  # after the ordering wait: the data the call was given (widened)
         yield be_rs.reduce_scatter(intra, part, tmp, op)
         yield be_ar.all_reduce(inter, part, op)
         yield be_ag.all_gather(intra, tmp, part)
-        arr[...] = t[:n]
+        arr[...] = t[:n]  # the one rounding back to a 16-bit float
 
     return _schedule(rt, g, Op.ALL_REDUCE, steps, (be_rs.name, be_ar.name, be_ag.name),
                      f"{size} ranks per host x {inter.size} hosts", spans, async_op,
