@@ -45,6 +45,14 @@ peer from a slow one. ``status`` is 1 when an exception reached the top level
 hooks registered before the runtime was created are skipped then; stdout and stderr are
 flushed first. Without a fault, exit is untouched. ``MCRDL_EXIT_GUARD=0`` turns the
 last resort off (to measure what the libraries do without it).
+
+An exception that reaches the top level of a rank of an MPI job ends the whole job at
+once (:func:`_abort_job`: ``MPI_Abort``, after the traceback is printed), so the job's
+status is non-zero and the peers do not wait for the dead rank until their timeout.
+Before, the failed rank waited for its peers in ``MPI_Finalize``, they for it in their
+collective, and the survivors' status (0 where they handled their error) became the
+job's. (``sys.exit(N)`` is not an exception Python hands the hook: it takes the normal
+exit.)
 """
 from __future__ import annotations
 
@@ -111,7 +119,8 @@ def work_failed(work) -> BaseException:
     group = work.group
     if isinstance(err, McrdlError) or not hasattr(group, "mark_broken"):
         return err
-    rank = getattr(work.engine, "rank", "?")
+    # (a work found failed at a wait's first look was never registered: the engine's rank)
+    rank = (work.engine or _progress.engine()).rank
     wrapped = CommFailedError(
         f"mcrdl: rank {rank}: {work.op} on {group.describe()} via backend '{work.backend}' "
         f"failed in the library: {type(err).__name__}: {err}. A peer most likely died, "
@@ -156,9 +165,43 @@ def install_exit_guard(mpi_world: bool = False) -> None:
     def hook(*exc_info):
         _state["uncaught"] = True
         previous(*exc_info)
+        _abort_job(exc_info[0])
 
     sys.excepthook = hook
     atexit.register(_at_exit)
+
+
+def _abort_job(kind) -> None:
+    """An exception reached the top level of this rank of an MPI job of 2+ processes
+    (the hook above, after Python printed its traceback): end the whole job now with
+    ``MPI_Abort(MPI.COMM_WORLD, 1)``, as ``python -m mpi4py`` does. The launcher
+    (hydra, Open MPI's mpirun, srun) then ends every rank and returns a non-zero status.
+    Leaving normally instead, this rank would wait for its peers in the exit barrier and
+    in ``MPI_Finalize`` while they wait for it in a collective until ``MCRDL_TIMEOUT``;
+    once they gave up and left, the job's status was theirs (0 where they handled the
+    error). The job has failed whichever way it ends, so ending it at once loses
+    nothing: the peers see the end of the job within a second, not at their timeout.
+    Not under ``MCRDL_EXIT_GUARD=0`` (the libraries' own exit), nor in a process of its
+    own (a 1-process world: Python's status 1 is the job's)."""
+    if not _config.get("MCRDL_EXIT_GUARD") or not _mpi_initialized():
+        return
+    try:
+        world = sys.modules["mpi4py.MPI"].COMM_WORLD
+        if world.Get_size() < 2:
+            return
+        rank = world.Get_rank()
+    except Exception:  # a broken MPI: the normal exit
+        return
+    print(f"mcrdl: rank {rank}: uncaught {getattr(kind, '__name__', kind)}: ending the MPI "
+          "job with MPI_Abort(MPI_COMM_WORLD, 1), so that every rank stops now and the "
+          "job's status is non-zero (its peers would wait for this rank until "
+          "MCRDL_TIMEOUT); the traceback above is the cause", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream must not stop the abort
+            pass
+    world.Abort(1)
 
 
 def _mpi_initialized() -> bool:
