@@ -1,7 +1,7 @@
 /* The host codecs' inner loops in C: int8, fp8 (e4m3) and fp16 on float32 data.
 
    Plain C with no Python headers: mcrdl_core/compress/native.py loads the built library
-   with ctypes, and `python -m mcrdl_core.compress.build` (run by `make install`)
+   with ctypes, and `python -m mcrdl_core.tools.build_codecs` (run by `make install`)
    compiles it. Each entry point does, block by block, what the NumPy code of
    codecs.py does array by array, with the same float32 arithmetic in the same order, so
    the bytes and the decoded values are identical (tests/test_codec_kernels.py checks
@@ -17,7 +17,19 @@
 
    Build flags matter for the "same bits" claim: -ffp-contract=off (no fused
    multiply-add), no -ffast-math. Rounding to nearest even uses the 1.5 * 2^23 trick,
-   exact for |y| < 2^22 in the default rounding mode. */
+   exact for |y| < 2^22 in the default rounding mode.
+
+   The floating-point mode is part of the claim too: the same bytes on every thread,
+   whatever its mode. A thread may run with flush-to-zero and denormals-are-zero set
+   (XLA's threads, where a jax.jit host callback runs; torch.set_flush_denormal(True)),
+   or another rounding mode; then a subnormal input or product becomes zero and the
+   1.5 * 2^23 trick rounds the wrong way. So every entry point runs in IEEE's default
+   mode (fp_exact_enter/leave: MXCSR's FTZ, DAZ and rounding bits on x86-64, FPCR's on
+   AArch64, cleared for the call and restored after it; a read of the register where
+   they are clear already), and mcrdl_fp_exact_enter/leave let the Python path of the
+   codecs do the same around all of its NumPy and torch arithmetic. The decoders also
+   build each code's value without a subnormal float32 (an e4m3 or float16 subnormal
+   code is its integer significand times a power of two), so they need no mode. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -25,7 +37,7 @@
 #define HAVE_F16C_PATH 1
 #endif
 
-#define KERNELS_VERSION 2
+#define KERNELS_VERSION 3
 
 /* Compile each entry point for AVX2 and for the x86-64 baseline, chosen at load. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -53,6 +65,51 @@ static inline float float_of(uint32_t u)
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* The thread's floating-point mode bits that change results: x86-64's MXCSR FTZ
+   (bit 15), DAZ (bit 6) and rounding control (bits 13-14); AArch64's FPCR FZ (24),
+   FZ16 (19) and rounding mode (22-23). All clear is IEEE's default mode. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define FP_MODE_BITS 0xE040u
+static inline uint32_t fp_mode_get(void) { return _mm_getcsr(); }
+static inline void fp_mode_set(uint32_t m) { _mm_setcsr(m); }
+#elif defined(__aarch64__)
+#define FP_MODE_BITS ((1u << 24) | (1u << 19) | (3u << 22))
+static inline uint32_t fp_mode_get(void)
+{
+    uint64_t v;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(v));
+    return (uint32_t)v;
+}
+static inline void fp_mode_set(uint32_t m)
+{
+    uint64_t v = m;
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(v));
+}
+#else
+#define FP_MODE_BITS 0u
+static inline uint32_t fp_mode_get(void) { return 0; }
+static inline void fp_mode_set(uint32_t m) { (void)m; }
+#endif
+
+/* IEEE's default mode for this thread from here: returns the mode to give back to
+   mcrdl_fp_exact_leave, or -1 where the thread was in it already (nothing to undo). */
+int64_t mcrdl_fp_exact_enter(void)
+{
+    uint32_t m = fp_mode_get();
+    if (!(m & FP_MODE_BITS))
+        return -1;
+    fp_mode_set(m & ~FP_MODE_BITS);
+    return (int64_t)m;
+}
+
+/* The thread's mode as mcrdl_fp_exact_enter found it (-1: nothing to do). */
+void mcrdl_fp_exact_leave(int64_t saved)
+{
+    if (saved >= 0)
+        fp_mode_set((uint32_t)saved);
 }
 
 /* 2^k as a double, for k in float32's exponent range (exact). */
@@ -105,8 +162,8 @@ static inline int absmax_factor(uint32_t mx, int levels, int kmax, uint32_t *wor
 
 /* int8 (kind 0) or fp8 e4m3 (kind 1) encoding of n float32 values in blocks of `block`:
    words[nblocks] then payload[n], as codecs.Int8 / codecs.FP8 write them. */
-CLONES int mcrdl_absmax_encode(const float *x, int64_t n, int64_t block, int levels, int kmax,
-                               int kind, uint32_t *words, uint8_t *payload)
+CLONES static int absmax_encode(const float *x, int64_t n, int64_t block, int levels,
+                                int kmax, int kind, uint32_t *words, uint8_t *payload)
 {
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int64_t len = n - off < block ? n - off : block;
@@ -146,8 +203,8 @@ CLONES int mcrdl_absmax_encode(const float *x, int64_t n, int64_t block, int lev
    bit_length(LEVELS) + 1, as codecs._AbsmaxScaled._unscale clips. 1: a block is
    flagged (NaN/Inf) or its step is outside float32's normal range: the Python path
    decodes the call. */
-CLONES int mcrdl_absmax_decode(const uint32_t *words, const uint8_t *payload, int64_t n,
-                               int64_t block, int levels, int lo, int kind, float *out)
+CLONES static int absmax_decode(const uint32_t *words, const uint8_t *payload, int64_t n,
+                                int64_t block, int levels, int lo, int kind, float *out)
 {
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int64_t len = n - off < block ? n - off : block;
@@ -166,21 +223,43 @@ CLONES int mcrdl_absmax_decode(const uint32_t *words, const uint8_t *payload, in
             for (int64_t i = 0; i < len; i++)
                 ob[i] = (float)(int8_t)pb[i] * step;
         } else {
-            /* an e4m3 code's bits placed in a float32's are its value times 2^-120,
-               subnormal codes included (exact); the NaN codes are not, and a block
-               that holds one goes to the Python path (only flagged blocks hold them) */
+            /* a normal e4m3 code's bits placed in a float32's, exponent rebiased 7 ->
+               127, are its value; a subnormal code's is its significand times 2^-9:
+               exact either way, and no subnormal float32 on the way (the NaN codes are
+               not values: a block that holds one goes to the Python path, and only
+               flagged blocks hold them) */
             uint32_t nan = 0;
             for (int64_t i = 0; i < len; i++) {
-                uint32_t c = pb[i];
-                nan |= (uint32_t)((c & 0x7Fu) == 0x7Fu);
-                float v = float_of(((c & 0x7Fu) << 20) | ((c & 0x80u) << 24)) * 0x1p120f;
-                ob[i] = v * step;
+                uint32_t c = pb[i], mag = c & 0x7Fu;
+                nan |= (uint32_t)(mag == 0x7Fu);
+                float sub = (float)(int32_t)(mag & 7u) * 0x1p-9f;
+                float v = mag < 8u ? sub : float_of((mag << 20) + (120u << 23));
+                ob[i] = float_of(bits_of(v) | ((c & 0x80u) << 24)) * step;
             }
             if (nan)
                 return 1;
         }
     }
     return 0;
+}
+
+/* The absmax entry points: the kernels above in IEEE's default mode. */
+int mcrdl_absmax_encode(const float *x, int64_t n, int64_t block, int levels, int kmax,
+                        int kind, uint32_t *words, uint8_t *payload)
+{
+    int64_t mode = mcrdl_fp_exact_enter();
+    int r = absmax_encode(x, n, block, levels, kmax, kind, words, payload);
+    mcrdl_fp_exact_leave(mode);
+    return r;
+}
+
+int mcrdl_absmax_decode(const uint32_t *words, const uint8_t *payload, int64_t n,
+                        int64_t block, int levels, int lo, int kind, float *out)
+{
+    int64_t mode = mcrdl_fp_exact_enter();
+    int r = absmax_decode(words, payload, n, block, levels, lo, kind, out);
+    mcrdl_fp_exact_leave(mode);
+    return r;
 }
 
 /* fp16's exponent k for a block whose largest magnitude has float32 bits `mx` (the
@@ -254,10 +333,12 @@ CLONES static int fp16_decode_bits(const int32_t *words, const uint16_t *payload
             uint32_t h = hb[i];
             uint32_t a = h & 0x7FFFu;
             special |= (a >= 0x7C00u);
-            /* the half's bits placed in a float32's are its value times 2^-112,
-               subnormal halves included (as float32 subnormals): exact */
-            float v = float_of((a << 13) | ((h & 0x8000u) << 16)) * 0x1p112f;
-            ob[i] = v * scale;
+            /* a normal half's bits placed in a float32's, exponent rebiased 15 ->
+               127, are its value; a subnormal half's is its significand times 2^-24:
+               exact, and no subnormal float32 on the way (Inf/NaN: flagged above) */
+            float sub = (float)(int32_t)(a & 0x3FFu) * 0x1p-24f;
+            float v = a < 0x400u ? sub : float_of((a << 13) + (112u << 23));
+            ob[i] = float_of(bits_of(v) | ((h & 0x8000u) << 16)) * scale;
         }
         if (special)
             return 1;
@@ -362,23 +443,34 @@ int mcrdl_fp16_simd(int on)
 }
 #endif
 
-/* fp16 entry points: the F16C versions where in use, else the bit arithmetic. */
+/* fp16 entry points: the F16C versions where in use, else the bit arithmetic, in
+   IEEE's default mode. */
 int mcrdl_fp16_encode(const float *x, int64_t n, int64_t block, int32_t *words,
                       uint16_t *payload)
 {
+    int64_t mode = mcrdl_fp_exact_enter();
+    int r;
 #ifdef HAVE_F16C_PATH
     if (use_f16c())
-        return fp16_encode_f16c(x, n, block, words, payload);
+        r = fp16_encode_f16c(x, n, block, words, payload);
+    else
 #endif
-    return fp16_encode_bits(x, n, block, words, payload);
+        r = fp16_encode_bits(x, n, block, words, payload);
+    mcrdl_fp_exact_leave(mode);
+    return r;
 }
 
 int mcrdl_fp16_decode(const int32_t *words, const uint16_t *payload, int64_t n,
                       int64_t block, float *out)
 {
+    int64_t mode = mcrdl_fp_exact_enter();
+    int r;
 #ifdef HAVE_F16C_PATH
     if (use_f16c())
-        return fp16_decode_f16c(words, payload, n, block, out);
+        r = fp16_decode_f16c(words, payload, n, block, out);
+    else
 #endif
-    return fp16_decode_bits(words, payload, n, block, out);
+        r = fp16_decode_bits(words, payload, n, block, out);
+    mcrdl_fp_exact_leave(mode);
+    return r;
 }

@@ -18,6 +18,14 @@ Interface (:class:`Codec`):
   (``||decode(encode(x)) - x|| / ||x||`` over finite data), or None where the format
   gives none (zfp). ``typical_error`` is what the tests measure on Gaussian data.
 
+Floating-point mode. Every codec writes the same bytes and decodes the same values on
+every thread, whatever the thread's mode: each encode and decode runs in IEEE's default
+mode (no flush-to-zero, no denormals-are-zero, rounding to nearest) and gives the
+thread its own mode back after (``_in_default_fp_mode``; the compiled library sets the
+mode, see ``native``). Under ``jax.jit`` a host callback runs on an XLA thread with
+FTZ/DAZ set, where fp8's decode used to pass through subnormal float32 values and lose
+them.
+
 Zero elements are a no-op for every codec: the encoding is 0 bytes, nothing is written
 and no library is called (zfpy dies of SIGBUS on an empty array).
 
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 
 import numpy as np
 
@@ -53,6 +62,32 @@ from . import native as _native
 class NonFiniteError(McrdlError, ValueError):
     """A codec that cannot carry NaN/Inf (zfp) met them; the message names the codec and
     says which codecs carry them."""
+
+
+#: per thread: whether the codec call running on it found the thread in another
+#: floating-point mode than IEEE's default (see ``_in_default_fp_mode``)
+_FP = threading.local()
+
+
+def _in_default_fp_mode(step, a, b):
+    """``step(a, b)`` in IEEE's default floating-point mode, and the thread's own mode
+    back after: the same bytes on every thread. A thread with flush-to-zero or
+    denormals-are-zero set (XLA's, where a jitted host callback runs; torch's after
+    ``torch.set_flush_denormal(True)``) would turn subnormal data, and subnormal
+    products on the way, into zeros (``native.exact_fp_enter``). Where the mode had to
+    be changed, the call keeps off torch's kernels (``_host_torch``): torch may run them
+    on pool threads that were started in the caller's mode, which this thread's change
+    does not reach; NumPy runs on this thread, with the same bytes."""
+    saved = _native.exact_fp_enter()
+    if saved < 0:  # the usual case: the thread was in the default mode
+        return step(a, b)
+    outer = getattr(_FP, "foreign", False)
+    _FP.foreign = True
+    try:
+        return step(a, b)
+    finally:
+        _FP.foreign = outer
+        _native.exact_fp_leave(saved)
 
 
 def _xp(arr):
@@ -121,10 +156,10 @@ class Codec:
 
     def encode(self, x, out) -> None:
         if x.shape[0]:
-            self._encode(x, out)
+            _in_default_fp_mode(self._encode, x, out)
 
     def decode(self, enc, out) -> bool:
-        return self._decode(enc, out) if out.shape[0] else True
+        return _in_default_fp_mode(self._decode, enc, out) if out.shape[0] else True
 
     def _nbytes(self, n: int) -> int:
         raise NotImplementedError
@@ -379,7 +414,7 @@ def _host_torch(dst, src):
     """torch, when it is already loaded in this process (the core never imports it) and
     ``dst``/``src`` are contiguous host arrays torch can view without a copy or a
     warning (``src`` writable); else None: the caller takes its NumPy path."""
-    torch = sys.modules.get("torch")
+    torch = None if getattr(_FP, "foreign", False) else sys.modules.get("torch")
     if (torch is None or not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray)
             or not (dst.flags.c_contiguous and src.flags.c_contiguous and src.flags.writeable)):
         return None
@@ -717,7 +752,7 @@ def _e4m3_torch(y):
     """``_e4m3_codes`` of a host float32 array through torch's conversion, when torch is
     already loaded in this process (the core never imports it): 4x faster here, and
     the same bits (round to nearest even; tested against ml_dtypes). None: not done."""
-    torch = sys.modules.get("torch")
+    torch = None if getattr(_FP, "foreign", False) else sys.modules.get("torch")
     if (torch is None or not hasattr(torch, "float8_e4m3fn") or not isinstance(y, np.ndarray)
             or not y.flags.writeable or not y.flags.c_contiguous):
         return None

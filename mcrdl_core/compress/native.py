@@ -14,18 +14,32 @@ Each function returns True when the kernel did the whole call; False sends the c
 its Python path, which then writes every byte (the kernel declines inputs it does not
 handle: other dtypes, non-contiguous arrays, and blocks that need the Python code's
 slower branches: NaN/Inf, scales outside float32's normal range).
+
+The floating-point mode: :func:`exact_fp_enter` / :func:`exact_fp_leave` put the calling
+thread in IEEE's default mode (no flush-to-zero, no denormals-are-zero, rounding to
+nearest) for one codec call and give its own mode back after; ``codecs.Codec`` wraps
+every encode and decode in them, so a codec writes the same bytes on every thread (an
+XLA thread running a jitted host callback has FTZ/DAZ set, as has a torch thread after
+``torch.set_flush_denormal(True)``). They need the library (Python cannot set the
+mode), whether or not ``MCRDL_CODEC_KERNELS`` lets the codecs use its kernels. Without
+it, a codec call on a thread that flushes subnormals logs a warning once per process:
+the results may then differ from other threads' where the data or its scaled values
+are subnormal.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from ..base import config as _config
 
+log = logging.getLogger("mcrdl.compress")
+
 #: the source's KERNELS_VERSION this loader speaks to
-VERSION = 2
+VERSION = 3
 SOURCE = Path(__file__).with_name("codec_kernels.c")
 TARGET = SOURCE.with_name("codec_kernels.so")
 
@@ -53,6 +67,10 @@ def load(path: Path = TARGET):
     lib.mcrdl_fp16_encode.argtypes = [_ptr, _i64, _i64, _ptr, _ptr]
     lib.mcrdl_fp16_decode.argtypes = [_ptr, _ptr, _i64, _i64, _ptr]
     lib.mcrdl_fp16_simd.argtypes = [_int]
+    lib.mcrdl_fp_exact_enter.argtypes = []
+    lib.mcrdl_fp_exact_enter.restype = _i64
+    lib.mcrdl_fp_exact_leave.argtypes = [_i64]
+    lib.mcrdl_fp_exact_leave.restype = None
     return lib, "built"
 
 
@@ -67,6 +85,35 @@ def library():
 def active():
     """The library where the codecs use it now: built and ``MCRDL_CODEC_KERNELS`` on."""
     return _LIB if _LIB is not None and _config.get("MCRDL_CODEC_KERNELS") else None
+
+
+_SUBNORMAL = np.array([2.0 ** -140], np.float32)  # 2^-140: a float32 subnormal
+_ONE = np.array([1.0], np.float32)
+_WARNED: list = []
+
+
+def exact_fp_enter() -> int:
+    """Put this thread in IEEE's default floating-point mode for one codec call; returns
+    what :func:`exact_fp_leave` needs to give the thread its own mode back (-1: it was
+    in that mode already). Without the library nothing can be changed: a thread whose
+    arithmetic flushes subnormals gets the warning once per process."""
+    lib = _LIB
+    if lib is not None:
+        return lib.mcrdl_fp_exact_enter()
+    if not _WARNED and not (_SUBNORMAL * _ONE)[0]:
+        _WARNED.append(True)
+        log.warning("mcrdl: a codec runs on a thread that flushes subnormal floats to zero "
+                    "(FTZ/DAZ: a jax.jit host callback, torch.set_flush_denormal(True)) and "
+                    "the codec kernels are %s, which set IEEE's default mode for each codec "
+                    "call: results may differ from other threads' where values are "
+                    "subnormal; run python -m mcrdl_core.tools.build_codecs", _WHY)
+    return -1
+
+
+def exact_fp_leave(saved: int) -> None:
+    """Give the thread back the mode :func:`exact_fp_enter` found (``saved``)."""
+    if saved >= 0:
+        _LIB.mcrdl_fp_exact_leave(saved)
 
 
 def _addr(a) -> int:

@@ -93,3 +93,56 @@ def test_a_16_bit_all_reduce_of_many_blocks_rounds_once():
         want = xs.astype(np.float64).sum(0).astype(np.float16)
     np.testing.assert_array_equal(t.numpy(), want)
     assert torch.equal(other, torch.full((5,), SIZE * (SIZE + 1) / 2))
+
+
+# --- compressed collectives whatever the thread's floating-point mode -----------------
+def _small_values(rank, n, subnormal_inputs):
+    """Blocks of 128 whose largest value is 1 and the rest 1e-5 .. 1e-4: scaled to
+    fp8's range most land in e4m3's subnormal codes (and int8's small codes);
+    optionally some float32 subnormals among them (not where the result adds them)."""
+    rng = np.random.default_rng(100 + rank)
+    x = (rng.uniform(1e-5, 1e-4, n) * rng.choice([-1, 1], n)).astype(np.float32)
+    x[::128] = 1.0
+    if subnormal_inputs:
+        x[5::7] = np.float32(2.0 ** -140) * (1 + np.arange(x[5::7].shape[0]) % 50)
+    return x
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "fp16", "bf16"])
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_jitted_compressed_collective_gives_the_eager_bits(backend, codec):
+    """Under jax.jit the call runs in a host callback on an XLA thread, which has
+    flush-to-zero and denormals-are-zero set; eagerly it runs on this thread."""
+    jax = pytest.importorskip("jax")
+    import mcrdl_jax as mj
+
+    x = jax.numpy.asarray(_small_values(RANK, 1000, False))
+    g = jax.numpy.asarray(_small_values(RANK, 1000, True))
+
+    def calls(a, b):
+        return (mj.all_reduce(a, backend=backend, compression=codec),
+                mj.all_gather(b, backend=backend, compression=codec))
+    eager = [np.asarray(r) for r in calls(x, g)]
+    jitted = [np.asarray(r) for r in jax.jit(calls)(x, g)]
+    for what, e, j in zip(("all_reduce", "all_gather"), eager, jitted):
+        diff = int((e.view(np.uint32) != j.view(np.uint32)).sum())
+        assert diff == 0, f"rank {RANK}: {codec} {what} on {backend}: {diff} of {e.size} differ"
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_compressed_collective_after_set_flush_denormal_gives_the_same_bits(backend):
+    def run():
+        t = torch.from_numpy(_small_values(RANK, 1000, False))
+        dist.all_reduce(t, backend=backend, compression="fp8")
+        u = torch.from_numpy(_small_values(RANK, 1000, True))
+        out = torch.empty(SIZE * 1000)
+        dist.all_gather_into_tensor(out, u, backend=backend, compression="fp8")
+        return t.numpy().view(np.uint32), out.numpy().view(np.uint32)
+    want = run()
+    assert torch.set_flush_denormal(True)
+    try:
+        got = run()
+    finally:
+        torch.set_flush_denormal(False)
+    for w, g in zip(want, got):
+        assert np.array_equal(w, g), f"rank {RANK}: {int((w != g).sum())} values differ"
