@@ -73,6 +73,16 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds + GLOO_TIMEOUT_MARGIN_S)
 
 
+def group_timeout(engine, group) -> float:
+    """The timeout, in seconds, of a wait on ``group``'s work that names none: the
+    group's own (``Group.timeout``: a torch group's ``timeout=``, ``new_group(timeout=)``)
+    where set, else the runtime's (``MCRDL_TIMEOUT``, ``init_process_group(timeout=)``),
+    as the progress engine judges (``timeout_of``). A group's Gloo process group times
+    out ``GLOO_TIMEOUT_MARGIN_S`` after it, never before: a group whose own timeout is
+    longer than ``MCRDL_TIMEOUT`` keeps it on Gloo too."""
+    return engine.timeout if group.timeout is None else group.timeout
+
+
 def tensor(buf: Buffer) -> torch.Tensor:
     """Flat torch view of a contiguous Buffer (no copy). Read-only inputs (a JAX array's
     memory, an XLA callback's operands) are viewed too: Gloo only reads inputs, and the
@@ -258,6 +268,7 @@ class GlooBackend(Backend):
         super().__init__(runtime)
         self._stores: dict = {}  # member ranks -> store (MPI bootstrap)
         self._made: dict = {}  # (group key, ranks) -> Gloo groups made under it so far
+        self._timeouts: dict = {}  # id(Gloo group) -> the timeout (s) it was last given
 
     @classmethod
     def unavailable_reason(cls, bootstrap):
@@ -340,6 +351,20 @@ class GlooBackend(Backend):
             return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
         return dist.ProcessGroupGloo.create_default_device()
 
+    def comm(self, group):
+        """The group's ProcessGroupGloo (made once), its timeout brought up to date
+        first: a group's timeout and the runtime's can change after it is made
+        (``set_timeout``, a later ``init_process_group(timeout=)``), and Gloo must not
+        give up before the engine does (``group_timeout``)."""
+        pg = group.comms.get(self.name)
+        if pg is None:
+            pg = super().comm(group)
+        secs = group_timeout(self.rt.engine, group)
+        if self._timeouts.get(id(pg)) != secs:
+            pg.set_timeout(_timeout(secs))
+            self._timeouts[id(pg)] = secs
+        return pg
+
     def create_comm(self, group):
         # a group key can come back (torch names its groups afresh after
         # destroy_process_group + init_process_group): each rendezvous of the same key and
@@ -351,17 +376,21 @@ class GlooBackend(Backend):
         store = dist.PrefixStore(f"g{group.key}/{ranks}/{n}", self.store(group))
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._device()]
-        opts._timeout = _timeout(self.rt.engine.timeout)
+        secs = group_timeout(self.rt.engine, group)
+        opts._timeout = _timeout(secs)
         work = ThreadWork("gloo", "create process group",
                           lambda: dist.ProcessGroupGloo(store, group.rank, group.size, opts),
                           group, desc="rendezvous")
         self.rt.engine.wait([work])
-        return work.result()
+        pg = work.result()
+        self._timeouts[id(pg)] = secs
+        return pg
 
     def destroy(self):
         for g in self.rt.groups:
             g.comms.pop(self.name, None)
         self._stores.clear()
+        self._timeouts.clear()
 
     # --- helpers ------------------------------------------------------------------------
     def _work(self, op, group, twork, bufs, finalize=None, desc=""):

@@ -40,13 +40,28 @@ from .tensors import to_buffers as _bs
 GroupMember = Group
 
 
+def _seconds(timeout) -> float | None:
+    """A ``timeout=`` (timedelta or seconds) in seconds; None stays None."""
+    if timeout is None:
+        return None
+    secs = float(timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout)
+    if not secs > 0:
+        raise InvalidArgumentError(f"timeout={timeout!r}: give a positive duration "
+                                   "(seconds or a datetime.timedelta)")
+    return secs
+
+
 def init_process_group(backend: str | None = None, init_method=None, timeout=None,
                        world_size: int = -1, rank: int = -1, store=None, **_ignored) -> None:
     """Initialize MCR-DL (idempotent). ``backend`` becomes the world's default backend;
-    ``timeout`` (timedelta or seconds) bounds every wait."""
-    if timeout is not None and hasattr(timeout, "total_seconds"):
-        timeout = timeout.total_seconds()
+    ``timeout`` (timedelta or seconds) bounds every wait that names no timeout of its
+    own, as ``MCRDL_TIMEOUT`` does. Both apply also where the runtime already exists (an
+    earlier call, or an implicit start: ``get_rank()`` first); a group's own timeout
+    (``new_group(timeout=)``) still wins on that group."""
+    timeout = _seconds(timeout)
     rt = _core.init(timeout=timeout)
+    if timeout is not None:  # (a runtime made before this call kept its own)
+        rt.engine.timeout = timeout
     for name, given, actual in (("world_size", world_size, rt.world_size), ("rank", rank, rt.rank)):
         if given not in (-1, None) and given != actual:
             raise InvalidArgumentError(f"init_process_group: {name}={given} but the launcher "
@@ -88,10 +103,16 @@ def new_group(ranks=None, timeout=None, backend: str | None = None, pg_options=N
               sort_ranks: bool = False, **_ignored) -> Group:
     """Collective over the world, like torch's: every rank calls it with the same ranks.
     Group rank i is ``ranks[i]`` (torch's ``sort_ranks=False``); ``sort_ranks=True``
-    sorts them first, as torch does by default."""
+    sorts them first, as torch does by default. ``timeout`` (timedelta or seconds): the
+    group's own, for every wait on its calls that names none (``Group.timeout``; else
+    the runtime's, ``MCRDL_TIMEOUT``), on every backend."""
+    timeout = _seconds(timeout)
     if ranks is not None and sort_ranks:
         ranks = sorted(ranks)
-    return _core.new_group(ranks, backend=None if backend in (None, "auto") else backend)
+    g = _core.new_group(ranks, backend=None if backend in (None, "auto") else backend)
+    if timeout is not None:
+        g.timeout = timeout
+    return g
 
 
 def available_backends() -> dict:

@@ -83,3 +83,91 @@ def test_nested_tensors_get_one_clear_error_on_every_path(backend):
     x = torch.full((3,), float(RANK + 1))
     dist.all_reduce(x, backend=backend)  # the world is still usable
     assert x.tolist() == [SIZE * (SIZE + 1) / 2] * 3
+
+
+# --- defect 6: init_process_group(timeout=) after an implicit start ------------------------
+@pytest.fixture
+def runtime_state():
+    """The runtime's timeout and the world's default backend, restored after the test."""
+    rt = _rt()
+    saved = rt.engine.timeout, rt.world.backend
+    yield rt
+    rt.engine.timeout, rt.world.backend = saved
+    rt.choices.clear()
+
+
+def _unmatched_recv(group, backend, tag):
+    """An irecv from the next rank that no rank ever sends: its wait can only time out."""
+    return dist.irecv(torch.empty(2), (RANK + 1) % SIZE, group=group, tag=tag, backend=backend)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs a peer that does not send")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_init_process_group_timeout_applies_to_a_running_runtime(backend, runtime_state):
+    """The runtime already runs (conftest's init, as after a get_rank() first); a later
+    init_process_group(backend=, timeout=1.5 s) used to apply only the backend, and a
+    wait then ran to MCRDL_TIMEOUT (60 s here)."""
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=1.5))
+    assert runtime_state.world.backend == backend
+    assert runtime_state.engine.timeout == 1.5, runtime_state.engine.timeout
+    g = dist.new_group(WORLD)  # (broken by the timeout below; the world stays usable)
+    w = _unmatched_recv(g, backend, tag=61)
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=f"rank {RANK}"):
+        w.wait()
+    assert time.monotonic() - start < 10
+
+
+# --- defect 14: a group's own timeout on Gloo ----------------------------------------------
+LATE_S = 2.0  # how late the last rank comes
+
+
+def _late_all_reduce(call):
+    """``call(t)`` on every rank, the last rank ``LATE_S`` late; checks the sum."""
+    t = torch.full((3,), float(RANK + 1))
+    if RANK == SIZE - 1:
+        time.sleep(LATE_S)
+    call(t)
+    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 3, t
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs a late peer")
+@pytest.mark.parametrize("form", ["torch new_group", "mcrdl_torch new_group"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_groups_own_timeout_outlasts_mcrdl_timeout(form, backend, runtime_state,
+                                                     torch_world):
+    """MCRDL_TIMEOUT 0.5 s, the group's own 30 s: a rank 2 s late is within the group's
+    timeout on every backend. Before, the group's Gloo communicator was made with
+    MCRDL_TIMEOUT + 1 s and Gloo gave up at 1.5 s (CommFailedError); mcrdl_torch's
+    new_group ignored its timeout=. (The torch group's Gloo communicator is made with
+    the group, mcrdl_torch's by this late first call.)"""
+    import torch.distributed as tdist
+
+    runtime_state.engine.timeout = 0.5  # as MCRDL_TIMEOUT=0.5
+    own = datetime.timedelta(seconds=30)
+    if form == "torch new_group":
+        pg = tdist.new_group(WORLD, timeout=own, pg_options=backend)
+        call = lambda t: tdist.all_reduce(t, group=pg)  # noqa: E731
+    else:
+        g = dist.new_group(WORLD, timeout=own)
+        call = lambda t: dist.all_reduce(t, group=g, backend=backend)  # noqa: E731
+    _late_all_reduce(call)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs a late peer")
+def test_a_late_rank_past_the_groups_timeout_names_itself(torch_world):
+    """On Gloo, the group's own timeout (1 s) passes: the ranks on time get
+    CommTimeoutError and Gloo closes their connections 1 s later; the rank that comes
+    after that gets Gloo's "Connection closed by peer" as a CommFailedError, which said
+    "rank ?" when the wait's first look found the work failed. Each error names its
+    rank. (On MPI the late rank's call matches the others' abandoned one and completes.)"""
+    import torch.distributed as tdist
+
+    pg = tdist.new_group(WORLD, timeout=datetime.timedelta(seconds=1), pg_options="gloo")
+    t = torch.ones(2)
+    tdist.all_reduce(t, group=pg)  # (the communicator is made)
+    if RANK == SIZE - 1:
+        time.sleep(LATE_S + 1.0)  # past Gloo's own timeout on the others (1 s + 1 s)
+    with pytest.raises(McrdlError) as info:
+        tdist.all_reduce(t, group=pg)
+    assert f"rank {RANK}:" in str(info.value), info.value
