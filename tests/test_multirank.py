@@ -165,9 +165,11 @@ def test_fast_path_through_mpi4py_issuers(tmp_path):
 def test_hierarchical_all_reduce_on_emulated_hosts(nranks, per_host, tmp_path):
     """tests/mpi/test_hier.py where the bootstrap groups every ``per_host`` consecutive
     ranks as one host (MCRDL_RANKS_PER_HOST), so that the two-level all-reduce runs
-    (the suite's own launches run the same file flat)."""
+    (the suite's own launches run the same file flat). At 4 ranks also
+    tests/mpi/test_seams_numerics.py, whose 16-bit two-level cases need 2 hosts x 2."""
     cmd = [MPIEXEC, "-n", str(nranks), sys.executable, "-m", "pytest", "-q", "-p",
            "no:cacheprovider", "--timeout=120", "-o", "addopts=", "test_hier.py"]
+    cmd += ["test_seams_numerics.py"] if nranks == 4 else []
     proc = _run(cmd, 300, _env(MCRDL_RESULTS_DIR=str(tmp_path),
                                MCRDL_RANKS_PER_HOST=str(per_host)))
     out = proc.stdout + proc.stderr
