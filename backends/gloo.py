@@ -44,6 +44,7 @@ from mcrdl_core.base import config as _config
 from mcrdl_core.memory import cuda as _cuda
 from mcrdl_core import dtypes as dt
 from mcrdl_core.world.backend import Backend
+from mcrdl_core.world.group import next_round
 from mcrdl_core.memory.buffer import Buffer
 from mcrdl_core.base.ops import Op, ReduceOp
 from mcrdl_core.engine.work import ChainWork, EventWork, ThreadWork, Work
@@ -118,7 +119,16 @@ def _cuda_tensor(buf: Buffer) -> torch.Tensor:
 
 def env_store(bootstrap):
     """The torchrun store (MASTER_ADDR:MASTER_PORT), as a client of torchrun's agent
-    store when torchrun hosts one, else hosted by rank 0. Used by the env bootstrap."""
+    store when torchrun hosts one, else hosted by rank 0. Used by the env bootstrap.
+
+    Where torch's default group already runs (``init_process_group("gloo")`` first, then
+    ``mcrdl_core.init()``), its store is shared instead: under a launch without an agent
+    store (RANK/WORLD_SIZE/MASTER_* set by hand) torch's rank 0 already serves
+    MASTER_PORT, and a second server there fails (EADDRINUSE) and leaves the others
+    talking to a store whose peer is gone."""
+    if dist.is_initialized():
+        return dist.PrefixStore(_bootstrap.store_prefix(),
+                                dist.distributed_c10d._get_default_store())
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     timeout = _config.get("MCRDL_TIMEOUT")
@@ -267,7 +277,6 @@ class GlooBackend(Backend):
     def __init__(self, runtime):
         super().__init__(runtime)
         self._stores: dict = {}  # member ranks -> store (MPI bootstrap)
-        self._made: dict = {}  # (group key, ranks) -> Gloo groups made under it so far
         self._timeouts: dict = {}  # id(Gloo group) -> the timeout (s) it was last given
 
     @classmethod
@@ -367,11 +376,9 @@ class GlooBackend(Backend):
 
     def create_comm(self, group):
         # a group key can come back (torch names its groups afresh after
-        # destroy_process_group + init_process_group): each rendezvous of the same key and
-        # ranks gets its own prefix, counted alike on every member (non-members of an
-        # earlier group of that name did not count it)
-        mark = (group.key, group.ranks)
-        n = self._made[mark] = self._made.get(mark, -1) + 1
+        # destroy_process_group + init_process_group; a runtime made again): each
+        # rendezvous of the same key and ranks gets its own prefix (next_round)
+        n = next_round(("gloo", group.key, group.ranks))
         ranks = ",".join(map(str, group.ranks))
         store = dist.PrefixStore(f"g{group.key}/{ranks}/{n}", self.store(group))
         opts = dist.ProcessGroupGloo._Options()

@@ -40,6 +40,7 @@ from torch.distributed.constants import default_pg_timeout
 
 import mcrdl_core as core
 from mcrdl_core.world import bootstrap as _bootstrap
+from mcrdl_core.world.group import next_round
 from mcrdl_core.base.errors import InvalidArgumentError, McrdlError, UnsupportedError
 from mcrdl_core.base.ops import ReduceOp
 from mcrdl_core.engine.progress import engine as _engine
@@ -714,13 +715,18 @@ def _requested_backend() -> str | None:
 def _gloo_group(ranks, timeout, group_name, group_desc):
     """A torch Gloo group of ``ranks`` (group rank i is ``ranks[i]``), built as torch's
     ``_new_process_group_helper`` builds one, on the default group's store under the
-    group's name; torch registers it as "gloo" when it is returned. None on non-members
-    (made by the members only, as torch makes it)."""
+    group's name and the round of that name (``next_round``: torch reuses its group names
+    after destroy_process_group + init_process_group, on the same torchrun agent store,
+    and a second group of a name must not read the first one's keys); torch registers it
+    as "gloo" when it is returned. None on non-members (made by the members only, as
+    torch makes it)."""
     me = dist.get_rank()
     if me not in ranks:
         return None
     rank, size = ranks.index(me), len(ranks)
-    store = dist.PrefixStore(f"{group_name}/", dist.distributed_c10d._get_default_store())
+    n = next_round(("torch gloo", group_name, tuple(ranks)))
+    store = dist.PrefixStore(f"{_bootstrap.store_prefix()}/torch-gloo/{group_name}/{n}/",
+                             dist.distributed_c10d._get_default_store())
     timeout = timeout if timeout is not None else default_pg_timeout
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)

@@ -92,3 +92,22 @@ class Group:
 
     def __repr__(self) -> str:
         return f"<Group {self.name} ranks={list(self.ranks)} rank={self.rank}>"
+
+
+_ROUNDS: dict = {}  # rendezvous key -> how many this process made under it
+
+
+def next_round(key) -> int:
+    """The number of rendezvous this process made under ``key`` before this one (0 the
+    first time), counted for the whole process, not per runtime: a store's keys outlive
+    the groups that wrote them, and names come back -- torch names its groups afresh
+    after ``destroy_process_group`` + ``init_process_group``, on the same torchrun agent
+    store, and a runtime made again numbers its groups alike -- so a rendezvous that
+    read the keys of an earlier one would connect to peers long gone and hang. Each
+    rendezvous of a key (a group's name and its ranks) puts this number in its store
+    prefix; every member counts alike, since the members make the same groups in the
+    same order (non-members of a group never count it)."""
+    n = _ROUNDS.get(key, 0)
+    _ROUNDS[key] = n + 1
+    return n
+
