@@ -31,6 +31,7 @@ import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import ReduceOp  # noqa: F401  (public name)
+from mcrdl_core.base import tags as _tags
 from mcrdl_core.base.errors import InvalidArgumentError
 
 from . import eager as _eager
@@ -142,12 +143,12 @@ def scatter(x, src: int = 0, group=None, backend=None):
 def send(x, dst: int, group=None, tag: int = 0, backend=None):
     """Send ``x`` to ``dst``. Returns a token (float32 zero); under ``jax.grad`` include it
     in what you differentiate so that the cotangent is received back."""
-    return _path(x).send(x, dst, group, int(tag), backend)
+    return _path(x).send(x, dst, group, _tags.user_tag(tag, "send"), backend)
 
 
 def recv(like, src: int | None = None, group=None, tag: int = 0, backend=None):
     """A new array shaped and typed like ``like``, filled from ``src`` (any if None)."""
-    return _path(like).recv(like, src, group, int(tag), backend)
+    return _path(like).recv(like, src, group, _tags.user_tag(tag, "recv"), backend)
 
 
 def sendrecv(sendbuf, recvbuf_like, source: int, dest: int, group=None, tag: int = 0,
@@ -155,7 +156,7 @@ def sendrecv(sendbuf, recvbuf_like, source: int, dest: int, group=None, tag: int
     """Send ``sendbuf`` to ``dest`` and receive an array like ``recvbuf_like`` from
     ``source``, both posted before either is waited on (no ordering deadlock)."""
     return _path(sendbuf, recvbuf_like).sendrecv(sendbuf, recvbuf_like, source, dest, group,
-                                                 int(tag), backend)
+                                                 _tags.user_tag(tag, "sendrecv"), backend)
 
 
 def barrier(group=None, backend=None) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from numpy import ndarray as _ndarray
 
 from ..base import dtypes as _dt
+from ..base import tags as _tags
 from ..base.errors import McrdlError
 from ..base.ops import Op, ReduceOp
 from ..engine.work import ChainWork
@@ -77,6 +78,23 @@ def _scatter_into(tmp: Buffer, outs) -> None:
 # its description (``pipeline.Call``: the checks that need the group, the backend's call,
 # the compressed and other variants), which ``pipeline.run`` runs.
 def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, backend=None):
+    """Send ``tensor`` to global rank ``dst``. ``tag``: in ``[0, USER_TAG_LIMIT)``
+    (``mcrdl_core.base.tags``: the tags above are the core's own)."""
+    return core_send(tensor, dst, group, _tags.user_tag(tag, "send"), async_op, backend)
+
+
+def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: bool = False,
+         backend=None):
+    """Receive into ``tensor``. Blocking: returns the sender's global rank; async: a Work
+    whose ``result()`` is that rank. ``src=None`` receives from any rank. ``tag``: as
+    for ``send``."""
+    return core_recv(tensor, src, group, _tags.user_tag(tag, "recv"), async_op, backend)
+
+
+def core_send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False,
+              backend=None):
+    """``send`` on any tag, the core's reserved ones included: for the core's own
+    point-to-point algorithms (resharding), never a user's tag."""
     buf = _v.input(tensor, "tensor")
     done = _fast_one(_fast.send, buf, dst, tag, group, async_op, backend)
     if done is not _fast.MISS:
@@ -87,10 +105,9 @@ def send(tensor, dst: int, group=None, tag: int = 0, async_op: bool = False, bac
                     issue=lambda be, g, red, sig: be.send(g, buf, sig["peer"], tag)))
 
 
-def recv(tensor, src: int | None = None, group=None, tag: int = 0, async_op: bool = False,
-         backend=None):
-    """Receive into ``tensor``. Blocking: returns the sender's global rank; async: a Work
-    whose ``result()`` is that rank. ``src=None`` receives from any rank."""
+def core_recv(tensor, src: int | None = None, group=None, tag: int = 0,
+              async_op: bool = False, backend=None):
+    """``recv`` on any tag (see ``core_send``)."""
     buf = _v.output(tensor, "tensor")
     done = _fast_one(_fast.recv, buf, src, tag, group, async_op, backend)
     if done is not _fast.MISS:

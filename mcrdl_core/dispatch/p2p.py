@@ -14,6 +14,7 @@ message's two ends agree, whatever else is in either batch).
 from __future__ import annotations
 
 from . import validate as _v
+from ..base import tags as _tags
 from ..base.errors import InvalidArgumentError
 from ..base.ops import Op
 from .runtime import get_runtime
@@ -25,7 +26,8 @@ _RECV_NAMES = ("irecv", "recv")
 class P2POp:
     """One send or receive of a batch. ``op``: ``isend``/``irecv`` (the function of
     mcrdl_core, mcrdl_torch or torch.distributed, or its name); ``peer``: a global rank,
-    as in torch.distributed; ``tag`` is ignored by NCCL (it has none)."""
+    as in torch.distributed; ``tag``: in ``[0, USER_TAG_LIMIT)`` (``mcrdl_core.base.tags``),
+    ignored by NCCL (it has none)."""
 
     def __init__(self, op, tensor, peer: int, group=None, tag: int = 0):
         name = op if isinstance(op, str) else getattr(op, "__name__", "")
@@ -35,7 +37,7 @@ class P2POp:
         self.tensor = tensor
         self.peer = peer
         self.group = group
-        self.tag = int(tag)
+        self.tag = _tags.user_tag(tag, "P2POp")
 
     def __repr__(self) -> str:
         return f"P2POp({'isend' if self.is_send else 'irecv'}, peer={self.peer})"

@@ -306,23 +306,23 @@ def _chain(ctx: _Ctx, t) -> None:
     if i == 0:
         buf = ctx.source_bytes(t.box)
         if relays:  # wait until the first receiver has started this transfer
-            _api.recv(as_buffer(ctx.token(ctx.src)), nxt, None, GO_TAG, False, be)
-        ctx.later([_api.send(as_buffer(buf[a:b]), nxt, None, TAG, True, be) for a, b in cuts],
+            _api.core_recv(as_buffer(ctx.token(ctx.src)), nxt, None, GO_TAG, False, be)
+        ctx.later([_api.core_send(as_buffer(buf[a:b]), nxt, None, TAG, True, be) for a, b in cuts],
                   buf)
         return
     prev = order[i - 1]
     if relays and i == 1:
         go = ctx.token(ctx.out)
-        ctx.later([_api.send(as_buffer(go), prev, None, GO_TAG, True, be)], go)
+        ctx.later([_api.core_send(as_buffer(go), prev, None, GO_TAG, True, be)], go)
 
     def relay(a_u8):
-        recvs = [_api.recv(as_buffer(a_u8[a:b]), prev, None, TAG, True, be) for a, b in cuts]
+        recvs = [_api.core_recv(as_buffer(a_u8[a:b]), prev, None, TAG, True, be) for a, b in cuts]
         if nxt is None:  # the chain's end: nothing to pass on
             return recvs
         sends = []
         for (a, b), w in zip(cuts, recvs):
             w.wait()
-            sends.append(_api.send(as_buffer(a_u8[a:b]), nxt, None, TAG, True, be))
+            sends.append(_api.core_send(as_buffer(a_u8[a:b]), nxt, None, TAG, True, be))
         return sends
 
     _receive(ctx, t, relay)
@@ -332,9 +332,9 @@ def _send_recv(ctx: _Ctx, t) -> None:
     if ctx.rank == t.sender:
         src = ctx.source_bytes(t.box)
         buf = as_buffer(src)
-        ctx.later([_api.send(buf, r, None, TAG, True, ctx.backend) for r in t.receivers], src)
+        ctx.later([_api.core_send(buf, r, None, TAG, True, ctx.backend) for r in t.receivers], src)
     else:
-        _receive(ctx, t, lambda a: [_api.recv(as_buffer(a), t.sender, None, TAG, True,
+        _receive(ctx, t, lambda a: [_api.core_recv(as_buffer(a), t.sender, None, TAG, True,
                                               ctx.backend)])
 
 
@@ -351,7 +351,7 @@ def _send_recv_allgather(ctx: _Ctx, t) -> None:
         works = []
         for rs in hosts:
             _, cuts = _pieces(t.nbytes, len(rs))
-            works += [_api.send(as_buffer(buf[a:b]), r, None, TAG, True, be)
+            works += [_api.core_send(as_buffer(buf[a:b]), r, None, TAG, True, be)
                       for r, (a, b) in zip(rs, cuts)]
         ctx.later(works, buf)
         return
@@ -360,12 +360,12 @@ def _send_recv_allgather(ctx: _Ctx, t) -> None:
     c, cuts = _pieces(t.nbytes, k)
     a, b = cuts[i]
     if k == 1:
-        _receive(ctx, t, lambda u8: [_api.recv(as_buffer(u8), t.sender, None, TAG, True, be)])
+        _receive(ctx, t, lambda u8: [_api.core_recv(as_buffer(u8), t.sender, None, TAG, True, be)])
         return
     g = group_of(tuple(sorted(rs)))
     pos = g.group_rank(ctx.rank)  # the all-gather orders pieces by group rank
     piece = ctx.scratch(c)
-    _api.recv(as_buffer(piece[:b - a]), t.sender, None, TAG, False, be)
+    _api.core_recv(as_buffer(piece[:b - a]), t.sender, None, TAG, False, be)
     whole = ctx.scratch(c * k)
     _api.all_gather_into_tensor(as_buffer(whole), as_buffer(piece), g, False, be)
     assert pos == i  # both sorted by rank
