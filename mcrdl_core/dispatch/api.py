@@ -387,8 +387,11 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     _v.same_kind(outs + ins, "all_to_all")
     out_counts = [b.numel for b in outs]
     in_counts = [b.numel for b in ins]
-    even = len(set(out_counts + in_counts)) == 1
-    nbytes = sum(b.nbytes for b in ins) if even else None
+    # no selection size: the list form has none that every rank shares (a rank whose
+    # own lists happen to be of one size knows nothing of the others'), so it selects
+    # as an uneven all_to_all_single does, with the table's largest range, and runs as
+    # one (Alltoallv), on every rank alike
+    nbytes = None
 
     def check(g, c):
         if len(outs) != g.size or len(ins) != g.size:
