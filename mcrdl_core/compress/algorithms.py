@@ -144,7 +144,7 @@ def ring_reduce_scatter(ch, lay: Layout, x, res, tag0: int = 0):
     for c in range(C):
         codec.encode(lay.part(x, c, (r - 1) % P), lay.epart(S, c, 0))
         ring.send(0, c, lay.epart(sbuf, c, 0))
-    tmp = np.empty(0)
+    tmp = _empty_like(res, 0)  # (res's dtype: an integer sum stays integer, 0 elements too)
     ok = True
     for s in range(P - 1):
         k = (r - s - 2) % P

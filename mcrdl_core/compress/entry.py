@@ -16,7 +16,7 @@ from . import algorithms as _alg
 from .auto import Auto, choose, choose_all_to_all, keeps_plain
 from .codecs import NonFiniteError
 from .schedule import Channel, ScheduleWork, store, to_work, xp_of
-from .spec import make_codec, plan, plan_all_to_all, resolve, work_dtype
+from .spec import call_codec, make_codec, plan, plan_all_to_all, resolve, work_dtype
 
 
 def _check_intact(work, codec) -> None:
@@ -34,15 +34,22 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
     rank's (``plan_all_to_all``, handed to ``gen_fn`` in place of a Layout) and the
     debug check compares the splits across ranks too; ``sel_nbytes``: its backend's
     selection size (None: uneven splits, as for the plain call)."""
-    codec = make_codec(cz.codec, dtype.name)
+    codec = call_codec(cz.codec, op, dtype)
     codec.check_device(device.kind)
     ch = Channel(rt, g, backend, device)
     if counts is None:
         p = plan(op, cz, g.size, count, dtype)
         lay = _alg.Layout(p.chunk_counts if count else (0,), codec)
-        be = ch.backend(Op.SEND if cz.algorithm != "a2a" else
-                        (Op.ALL_TO_ALL if op is not Op.ALL_GATHER else Op.ALL_GATHER),
-                        ch.staging(1))
+        # selected with the size of what the first stage moves, which every rank knows
+        # from the plan: a ring's largest message (its receives take the same choice),
+        # the encoded block all-gathered, or the P encoded blocks of an all-to-all
+        if cz.algorithm != "a2a":
+            first, size = Op.SEND, max(lay.enc)
+        elif op is Op.ALL_GATHER:
+            first, size = Op.ALL_GATHER, lay.nbytes
+        else:
+            first, size = Op.ALL_TO_ALL, g.size * lay.nbytes
+        be = ch.backend(first, ch.staging(1), size)
         spec = f"{codec.name}@{cz.algorithm}*{p.chunks}"
     else:
         p = lay = plan_all_to_all(cz, g.size, g.rank, *counts, dtype, _same_host(rt, g))

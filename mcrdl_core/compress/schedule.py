@@ -56,6 +56,11 @@ class ScheduleWork(Work):
         return self._advance()
 
 
+#: ops whose messages a channel sends on the backend chosen for another: a receive
+#: runs where its send does (both ends of a message select from the same facts)
+_SAME_CHOICE = {Op.RECV: Op.SEND}
+
+
 class Channel:
     """The group, backend and device one compressed call communicates on."""
 
@@ -92,11 +97,19 @@ class Channel:
 
     def backend(self, op: Op, buf: Buffer, nbytes: int | None = -1):
         """The backend for ``op``, chosen once per call (``nbytes``: the selection size,
-        as ``Runtime.select`` takes it; -1: ``buf``'s)."""
+        as ``Runtime.select`` takes it; -1: ``buf``'s). The call's first choice of each
+        op is made while it is issued, on every rank alike (``entry._issue`` makes them,
+        with sizes every rank shares): so receives take the choice of the sends they
+        match (``RECV`` is ``SEND`` here), never one of their own from another size,
+        and the chosen backend's communicator is made at once, by every rank, also by a
+        rank that then sends and receives nothing (a Gloo communicator is made by a
+        rendezvous of every member; one that never came would hang the others)."""
+        op = _SAME_CHOICE.get(op, op)
         be = self._chosen.get(op)
         if be is None:
             be = self._chosen[op] = self.rt.select(op, self.group, buf, self._backend,
                                                    nbytes=nbytes)
+            be.comm(self.group)
         return be
 
     def send(self, buf: Buffer, peer: int, tag: int, op: Op = Op.SEND) -> Work:

@@ -225,6 +225,22 @@ def make_codec(name: str, dtype_name: str = "float32") -> _c.Codec:
                                "fp16[:BLOCK], fp8[:BLOCK], bf16, zfp:RATE or none")
 
 
+#: ops whose compressed schedules carry partial sums between ranks
+_REDUCING = (Op.REDUCE_SCATTER, Op.ALL_REDUCE)
+
+
+def call_codec(name: str, op: Op, dtype: _dt.DType | str) -> _c.Codec:
+    """The codec a compressed ``op`` on ``dtype`` data runs: ``make_codec(name)``, except
+    that ``none`` carries the work dtype where partial sums travel (reduce-scatter,
+    all-reduce): a 16-bit float's sums then accumulate in float32 and are rounded once,
+    as the flat path's are (carried in float16, a partial sum of 40000 + 40000 was inf
+    where the whole sum fits). The lossy codecs encode from the work dtype anyway."""
+    dtype = _dt.lookup(dtype)
+    if name == "none" and op in _REDUCING:
+        return make_codec(name, work_dtype(dtype).name)
+    return make_codec(name, dtype.name)
+
+
 def align(codec: _c.Codec) -> int:
     """Chunk boundaries fall on multiples of this many elements, so that a chunked
     encoding holds the same bytes as an unchunked one."""
@@ -264,7 +280,7 @@ def plan(op: Op, cz: Compression, group_size: int, count: int,
     all-to-all, ``count`` is the block for each peer of an even call (uneven ones:
     ``plan_all_to_all``)."""
     dtype = _dt.lookup(dtype)
-    codec = make_codec(cz.codec, dtype.name)
+    codec = call_codec(cz.codec, op, dtype)
     enc = codec.encoded_nbytes(count)
     algorithm = "a2a" if op is Op.ALL_TO_ALL else cz.algorithm
     chunks = cz.chunks
