@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .schedule import AnyOf
+from .schedule import AnyOf, Ordered
 
 
 @dataclass
@@ -77,6 +77,7 @@ class _Posts:
 
     def __init__(self, ch, steps: int, chunks: int, rslot, tag0: int):
         self.ch, self.rslot, self.tag0, self.chunks = ch, rslot, tag0, chunks
+        self.steps = steps
         self.recvs, self.sends = {}, []
         if ch.prepost:
             for s in range(steps):
@@ -96,7 +97,11 @@ class _Posts:
             self.recvs[s, c] = w
 
     def recv(self, s: int, c: int):
-        return self.recvs[s, c]
+        """What to yield for the receive of chunk c of step s: on the paired schedule,
+        before a later step's send, an ``Ordered`` wait (that send is matched by order on
+        the stream: ``schedule.Ordered``)."""
+        w = self.recvs[s, c]
+        return w if self.ch.prepost or s == self.steps - 1 else Ordered((w,))
 
 
 def ring_all_gather(ch, lay: Layout, x, res, per_hop: bool = False, tag0: int = 0):
@@ -361,16 +366,32 @@ def _offsets(counts) -> list:
 
 def all_reduce(ch, lay: Layout, x, res, algorithm: str):
     """Reduce-scatter then all-gather of the reduced blocks. ``x``: P*n values (padded),
-    ``res``: P*n values out. The all-gather phase uses its own tag range."""
+    ``res``: P*n values out. The all-gather phase uses its own tag range. Where it
+    starts with a call matched by order (a2a's backend all-gather; the paired ring's
+    first send), every wait of the reduce-scatter before it is ``Ordered``: the
+    all-gather is issued inside the call, at its place among the group's calls."""
     mine = _empty_like(res, lay.n)
     if algorithm == "a2a":
-        ok = yield from a2a_reduce_scatter(ch, lay, x, mine)
+        ok = yield from _before_ordered(a2a_reduce_scatter(ch, lay, x, mine))
         ok &= yield from coll_all_gather(ch, lay, mine, res)
     else:
-        ok = yield from ring_reduce_scatter(ch, lay, x, mine)
+        rs = ring_reduce_scatter(ch, lay, x, mine)
+        ok = yield from (rs if ch.prepost else _before_ordered(rs))
         ok &= yield from ring_all_gather(ch, lay, mine, res, per_hop=algorithm == "p2p",
                                          tag0=512)
     return bool(ok)
+
+
+def _before_ordered(gen):
+    """``gen``'s schedule with every wait marked ``Ordered``: what comes after it starts
+    with a call matched by order."""
+    while True:
+        try:
+            w = next(gen)
+        except StopIteration as stop:
+            return stop.value
+        yield w if isinstance(w, Ordered) else Ordered(w if isinstance(w, (list, tuple))
+                                                       else (w,))
 
 
 def xp_add(a, b, out):

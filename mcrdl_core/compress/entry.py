@@ -62,7 +62,8 @@ def _issue(rt, g, op, cz, count, dtype, device, gen_fn, reads, writes, async_op,
     spans = rt.order(reads=reads, writes=writes, keep=async_op)
     gen = gen_fn(ch, lay)
     algorithm = "a2a" if counts is not None else cz.algorithm
-    work = ScheduleWork(f"{be.name}+{codec.name}@{algorithm}", op, g, gen, desc=str(p))
+    work = ScheduleWork(f"{be.name}+{codec.name}@{algorithm}", op, g, gen, desc=str(p),
+                        wait=rt.engine.wait)
     ch.hold(work)
     if finish is not None:
         work.add_finalizer(finish)

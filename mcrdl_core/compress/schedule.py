@@ -9,6 +9,17 @@ advances it whenever the engine polls it and the yielded Works are complete. No 
 ever blocks: waiting is the engine's loop, which drives every backend's in-flight
 work, so the deadlock-freedom rule holds for compressed collectives as for any other,
 and a stalled peer ends in the engine's timeout naming the op, the step and the peer.
+
+A multi-stage call keeps its place. A stage that is a library call matched by its order
+among the group's calls (a backend collective; any point-to-point on a backend without
+tags, NCCL's) must be issued at the same place on every rank relative to the other
+calls of the group. Issued from whichever poll finds the stage before it done, it would
+not be: one rank issues it before the caller's next call, another after. So an
+algorithm yields :class:`Ordered` where the stage after the yield is such a call, and
+:class:`ScheduleWork` waits for those works (through the progress loop) while the call
+is being issued, before it returns: every such stage is issued inside its own call, in
+program order. Tagged point-to-point on host backends (the slot's tags, which no other
+call in flight uses) may still go out from any poll.
 """
 from __future__ import annotations
 
@@ -23,17 +34,34 @@ from ..engine.work import Work
 from .codecs import bf16_bits
 from .codecs import bf16_values
 
+class Ordered(tuple):
+    """Works an algorithm yields where what it issues next is a library call matched by
+    order (see the module docstring): ``ScheduleWork`` waits for them inside the call."""
+
+
 class ScheduleWork(Work):
-    """A generator-driven Work; ``result`` is the generator's return value."""
+    """A generator-driven Work; ``result`` is the generator's return value. ``wait``:
+    the engine's ``wait(works)``, for the yields marked :class:`Ordered`, which are
+    waited for here, while the call is issued (an algorithm never yields one after a
+    plain yield: what follows a plain yield is polled, not issued in program order)."""
 
     poll_group = "compress"
 
-    def __init__(self, backend: str, op, group, gen, desc: str = ""):
+    def __init__(self, backend: str, op, group, gen, desc: str = "", wait=None):
         super().__init__(backend, op, group, desc=desc)
         self._gen = gen
         self._waiting: list = []
+        self._ordered = False
         self._desc0 = desc  # desc grows "waiting on ..." for timeout diagnostics
-        if self._advance():
+        self._issuing = True
+        done = self._advance()
+        while not done and self._ordered:
+            if wait is None:
+                raise RuntimeError(f"{desc}: an Ordered wait needs the engine's wait")
+            wait(self._waiting)
+            done = self._advance()
+        self._issuing = False
+        if done:
             self.complete()
 
     def _advance(self) -> bool:
@@ -49,6 +77,11 @@ class ScheduleWork(Work):
             except StopIteration as stop:
                 self.value = stop.value
                 return True
+            self._ordered = isinstance(nxt, Ordered)
+            if self._ordered and not self._issuing:
+                raise RuntimeError(f"{self._desc0}: the schedule yielded an Ordered wait after "
+                                   "the call was issued (a defect of the algorithm: its next "
+                                   "stage would go out from a poll, out of program order)")
             self._waiting = list(nxt) if isinstance(nxt, (list, tuple)) else [nxt]
             self.host_progress = any(w.host_progress for w in self._waiting)
 
