@@ -20,7 +20,7 @@ from mcrdl_core.base.errors import InvalidArgumentError
 from mcrdl_core.dispatch.selection import TuningTable
 from test_compress import TOL, data, local_round_trip, rel
 
-HANG_S = 10.0
+HANG_S = 20.0
 needs2 = pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
 
 
