@@ -15,6 +15,7 @@ from .base.errors import (BackendUnavailableError, BrokenGroupError, CommFailedE
                           MismatchError, NotInitializedError, TableError, UnsupportedError)
 from .world.group import Group
 from .base.ops import Op, ReduceOp
+from .base.exact import exact  # no lossy codec inside (docs/compression.md)
 from .reshard.api import plan_reshard, reshard
 from .dispatch.runtime import Runtime, destroy, get_runtime, init, is_initialized
 from .dispatch.selection import TuningTable

@@ -19,7 +19,9 @@ ranks; collectives are in place; ``async_op=True`` returns a Work with ``wait()`
 - ``gather_list``/``scatter_list`` on non-root ranks are ignored instead of refused.
 - ``compression=`` on all_reduce, all_gather(_into_tensor), reduce_scatter(_tensor) and
   all_to_all(_single) allows a lossy codec ("int8", "fp16@a2a", "fp8", ...;
-  docs/compression.md); off by default.
+  docs/compression.md); off by default. Inside ``with mcrdl_torch.exact():`` no codec
+  applies; torch.distributed.checkpoint saves and loads, the state-dict helpers and
+  ``DTensor.full_tensor`` enter it by themselves (``exact.py``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from mcrdl_core.base.errors import InvalidArgumentError
 from mcrdl_core.dispatch import fastpath as _fp
 from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
+from .exact import exact, install as _install_exact
 from .facts import one as _one, two as _two
 from .tensors import MISS as _MISS
 from .tensors import DTYPES as _DTYPES
@@ -38,6 +41,7 @@ from .tensors import to_buffer as _b
 from .tensors import to_buffers as _bs
 
 GroupMember = Group
+_install_exact()
 
 
 def _seconds(timeout) -> float | None:

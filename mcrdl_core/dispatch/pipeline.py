@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 
+from ..base import exact as _exact
 from ..base.ops import Op, ReduceOp
 from . import fastpath as _fast
 from . import hooks as _hooks
@@ -119,6 +120,8 @@ def compression_for(compression, op, rt, g, backend, buf, reduce_op=None):
     checked against its dtype and reduce op; None (the usual case) costs one env lookup,
     and None too where an ``auto:`` spec keeps the backend's own collective."""
     if compression is None and not _fast.compression_env():
+        return None
+    if _exact.active():  # mcrdl_core.exact(): no codec (a checkpoint, a state dict)
         return None
     t = _hooks.transform("compression")
     cz = t.resolve(compression, op, buf.dtype, reduce_op)

@@ -171,3 +171,91 @@ def test_a_late_rank_past_the_groups_timeout_names_itself(torch_world):
     with pytest.raises(McrdlError) as info:
         tdist.all_reduce(t, group=pg)
     assert f"rank {RANK}:" in str(info.value), info.value
+
+
+# --- defect 19: exact unless asked ---------------------------------------------------------
+def _weights(rank, count=64, salt=0):
+    """Values int8 cannot carry exactly (a rank's shard), the same wherever computed."""
+    return torch.from_numpy(np.random.default_rng(1000 * salt + rank).normal(size=count)
+                            .astype(np.float32))
+
+
+def _shared_dir():
+    """One directory every rank sees (rank 0's temporary one)."""
+    import tempfile
+
+    box = [tempfile.mkdtemp(prefix="mcrdl-seams-ckpt-") if RANK == 0 else None]
+    import torch.distributed as tdist
+
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@pytest.mark.skipif(SIZE == 1, reason="a gather of one rank has nothing to compress")
+def test_exact_scope_and_checkpoints_under_lossy_all_gather(monkeypatch, torch_world):
+    """Under MCRDL_COMPRESSION=all_gather=int8 an all-gather is lossy (checked first);
+    inside mcrdl_torch.exact() (and mcrdl_core.exact()), DTensor.full_tensor(), a full
+    state dict and a torch.distributed.checkpoint save + load of an FSDP2 model give
+    the parameters bit for bit. Before, each gave int8-rounded weights."""
+    import shutil
+
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn as nn
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    monkeypatch.setenv("MCRDL_COMPRESSION", "all_gather=int8")
+    whole = torch.cat([_weights(r) for r in WORLD])
+    out = torch.empty_like(whole)
+    tdist.all_gather_into_tensor(out, _weights(RANK))
+    assert not torch.equal(out, whole), "the codec did not apply: nothing is tested"
+    for backend in BACKENDS:
+        dist.all_gather_into_tensor(out, _weights(RANK), backend=backend)
+        assert not torch.equal(out, whole), backend
+    for scope in (dist.exact, mcrdl_core.exact):
+        with scope():
+            tdist.all_gather_into_tensor(out, _weights(RANK))
+            assert torch.equal(out, whole)
+            for backend in BACKENDS:
+                out.zero_()
+                dist.all_gather_into_tensor(out, _weights(RANK), backend=backend)
+                assert torch.equal(out, whole), backend
+    mesh = init_device_mesh("cpu", (SIZE,))
+    dt = DTensor.from_local(_weights(RANK), mesh, [Shard(0)], run_check=False)
+    assert torch.equal(dt.full_tensor(), whole)
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))
+        with torch.no_grad():  # int8 cannot carry these: any codec shows
+            for i, p in enumerate(m.parameters()):
+                p.copy_(torch.from_numpy(np.random.default_rng(i).normal(size=p.shape)
+                                         .astype(np.float32)))
+        expected = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        fully_shard(m, mesh=mesh)
+        return m, expected
+
+    m, expected = model()
+    full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+    for k, v in expected.items():
+        assert torch.equal(full[k], v), k
+    where = _shared_dir()
+    try:
+        dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=where)
+        m2, _ = model()
+        with torch.no_grad():
+            for p in m2.parameters():
+                p.to_local().zero_()
+        sd = {"model": get_model_state_dict(m2)}
+        dcp.load(sd, checkpoint_id=where)
+        for k, v in expected.items():
+            assert torch.equal(sd["model"][k].full_tensor(), v), k
+    finally:
+        tdist.barrier()
+        if RANK == 0:
+            shutil.rmtree(where, ignore_errors=True)
+    assert not mcrdl_core.base.exact.active()  # (the scopes closed)
