@@ -93,15 +93,6 @@ def compression_env() -> bool:
     return bool(_ENV.get(_COMPRESSION))
 
 
-def _table_decides(rt, op, backend, g) -> bool:
-    """Whether a tuning table chooses this call's backend, by size (no backend named by
-    the call, the group's default or MCRDL_BACKEND for ``op``: ``Runtime.named_backend``):
-    such a call's memo keys carry its size, and its frontend key is bound by table range.
-    Inlined, with this name beside it, in the two entries that run per call."""
-    return (rt.table is not None and backend in (None, "auto") and g.backend is None
-            and not (rt.override and rt.named_backend(op, g, backend)))
-
-
 _TAG = "fast:all_reduce"  # first part of this module's keys in ``Runtime.choices``
 
 
@@ -111,7 +102,7 @@ def _plan(rt, g, buf, backend, op):
     red = ReduceOp.coerce(op)
     _v.reduce_op(red, buf.dtype)
     be = rt.select(Op.ALL_REDUCE, g, buf, backend, red)
-    if _sel.algorithm(rt, Op.ALL_REDUCE, g, buf, backend):
+    if _sel.algorithm(rt, Op.ALL_REDUCE, g, buf, backend, reduce_op=red):
         return be, None, red, None  # the table names an algorithm: the general path runs it
     issue = be.fast_all_reduce(g, buf.dtype, red)
     blocking = None if issue is None else be.fast_blocking(Op.ALL_REDUCE, g, buf.dtype, red)
@@ -156,8 +147,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     if rt.observed or _ENV.get(_COMPRESSION):  # (compression_env(), inlined)
         return MISS
     g = rt.group(group)  # liveness and broken-group checks, every call
-    if (rt.table is not None and backend in (None, "auto") and g.backend is None  # _table_decides
-            and not (rt.override and rt.named_backend(Op.ALL_REDUCE, g, backend))):
+    if rt.table is not None and rt.table_decides(Op.ALL_REDUCE, g, backend):  # by size
         key = (_TAG, g, dtype, backend, op, count * dtype.itemsize)
     else:
         key = (_TAG, g, dtype, backend, op)
@@ -268,8 +258,7 @@ def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
     """The memoized plan of a key, made from ``buf`` on its first call (None without
     ``buf``: the caller's general path makes it). Keys carry the size only where a
     tuning table decides (as ``Runtime.select`` does). ``plan_args`` starts with the op."""
-    if (rt.table is not None and backend in (None, "auto") and g.backend is None  # _table_decides
-            and not (rt.override and rt.named_backend(plan_args[0], g, backend))):
+    if rt.table is not None and rt.table_decides(plan_args[0], g, backend):  # by size
         key = (tag, g, dtype, backend, extra, nbytes)
     else:
         key = (tag, g, dtype, backend, extra)
@@ -593,7 +582,7 @@ def _bind(rt, bind, plan, op, g, backend, args, make, *make_args, sized=None) ->
     choices = rt.choices
     cur = choices.get(bind, _ABSENT)
     bounds = None
-    if sized is not None and _table_decides(rt, op, backend, g):
+    if sized is not None and rt.table is not None and rt.table_decides(op, g, backend):
         bounds = rt.table.bounds(op.value, g.size, "cpu", _dtype_class(sized[1]),
                                  rt.bootstrap.hosts_in(g.ranks))
     if bounds is None or bounds == _OPEN:  # one plan serves every call of the key

@@ -168,6 +168,16 @@ class Runtime:
             return backend
         return self.override.get(op.value) or self.override.get("*")
 
+    def table_decides(self, op, group: Group, backend: str | None) -> bool:
+        """Whether the tuning table chooses this call's backend, by its size: there is a
+        table and nobody named a backend (``named_backend``: the call's ``backend=``,
+        else the group's default, else ``MCRDL_BACKEND``; "auto" names none, also as a
+        group's default, and a call's "auto" overrides its group's default). The one
+        test of it: the general path's memo (``select``), the table's algorithms
+        (``selection.algorithm``) and the fast path's memo keys and bound closures call
+        it, so that every path of a call, on every rank, keys its choice by size alike."""
+        return self.table is not None and self.named_backend(op, group, backend) is None
+
     def select(self, op, group: Group, buf, backend: str | None, reduce_op=None,
                nbytes: int | None = -1):
         """The Backend instance for one call (explicit > MCRDL_BACKEND > table > policy),
@@ -177,12 +187,10 @@ class Runtime:
         if backend is None:
             backend = group.backend  # new_group(..., backend=) / init(backend=) default
         device, dtype = buf.device, buf.dtype
-        explicit = backend not in (None, "auto") or bool(
-            self.override and self.named_backend(op, group, backend))
         # memo: explicit and policy choices by (backend, op, device, dtype, reduce op);
         # table choices also by group (its size and hosts) and message size (bounded)
         key = (backend, op, device.kind, dtype, reduce_op)
-        if self.table is not None and not explicit:
+        if self.table is not None and self.table_decides(op, group, backend):
             key += (group.id, nbytes)
         be = self.choices.get(key)
         if be is not None:

@@ -112,11 +112,9 @@ def decide(rt, op, group, device, dtype, reduce_op, backend, nbytes):
     if rt.table is not None:
         hit = rt.table.lookup(op.value, group.size, device.kind, dtype_class(dtype), nbytes,
                               rt.bootstrap.hosts_in(group.ranks))
-        if (hit is not None and not is_algorithm(hit)
-                and rt.unavailable_reason(hit) is None):
-            cand = rt.backend(hit)
-            if cand.unsupported_reason(op, device, dtype, reduce_op) is None:
-                return cand
+        if hit is not None and not is_algorithm(hit) and runnable(rt, hit, op, device, dtype,
+                                                                  reduce_op):
+            return rt.backend(hit)
     names = capable(rt, op, device, dtype, reduce_op)
     if not names:
         raise UnsupportedError(
@@ -131,17 +129,36 @@ def is_algorithm(name: str) -> bool:
     return name.partition(":")[0] in ALGORITHMS
 
 
-def algorithm(rt, op, group, buf, backend, nbytes=-1) -> str | None:
+def runnable(rt, name: str, op, device, dtype, reduce_op=None) -> bool:
+    """Whether a name a tuning table gives can run the call here: a backend that is
+    available and can do the op on these buffers; an algorithm (``hier``) whose steps
+    choose their own backends; ``hier:NAME`` where NAME is such a backend. A table name
+    that cannot is not used: the policy decides (a table tuned where a backend could run
+    serves a job where it cannot, whatever the name). The same on every rank of a
+    homogeneous job, as availability is."""
+    head, colon, inner = name.partition(":")
+    if head in ALGORITHMS:
+        if not colon:
+            return True
+        name = inner
+    return (rt.unavailable_reason(name) is None
+            and rt.backend(name).unsupported_reason(op, device, dtype, reduce_op) is None)
+
+
+def algorithm(rt, op, group, buf, backend, nbytes=-1, reduce_op=None) -> str | None:
     """The tuning table's choice for a call where it names an algorithm (``hier``)
-    instead of a backend, else None: also where the call names a backend (argument,
-    group default, MCRDL_BACKEND) or there is no table. The api's all-reduce and even
-    all-to-all then run that algorithm, whose steps select their own backends."""
-    if rt.table is None or rt.named_backend(op, group, backend) is not None:
+    instead of a backend that can run it (``runnable``), else None: also where the call
+    names a backend (argument, group default, MCRDL_BACKEND: ``Runtime.table_decides``)
+    or there is no table. The api's all-reduce and even all-to-all then run that
+    algorithm, whose steps select their own backends."""
+    if rt.table is None or not rt.table_decides(op, group, backend):
         return None
     hit = rt.table.lookup(op.value, group.size, buf.device.kind, dtype_class(buf.dtype),
                           buf.nbytes if nbytes == -1 else nbytes,
                           rt.bootstrap.hosts_in(group.ranks))
-    return hit if hit is not None and is_algorithm(hit) else None
+    if hit is None or not is_algorithm(hit):
+        return None
+    return hit if runnable(rt, hit, op, buf.device, buf.dtype, reduce_op) else None
 
 
 def capable(rt, op, device, dtype, reduce_op) -> list:
