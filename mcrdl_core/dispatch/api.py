@@ -367,10 +367,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         in_counts = _v.splits(input_split_sizes, inp, g.size, "input_split_sizes")
         return {"counts": (out_counts, in_counts)}
 
+    def issue(be, g, red, sig):  # (after the debug checks, which see every rank's counts)
+        _v.blocks(out, inp, *sig["counts"], g.rank, form_even, "all_to_all_single")
+        return be.all_to_all(g, out, inp, *sig["counts"], form_even)
+
     return run(Call(
         Op.ALL_TO_ALL, group, backend, inp, compression=compression, async_op=async_op,
         reads=(inp,), writes=(out,), nbytes=nbytes, log_bytes=inp.nbytes, check=check,
-        issue=lambda be, g, red, sig: be.all_to_all(g, out, inp, *sig["counts"], form_even),
+        issue=issue,
         compressed=lambda t, rt, g, red, sig, cz: t.all_to_all(
             rt, g, out, inp, *sig["counts"], cz, backend, async_op, nbytes),
         algorithm=None if not form_even else lambda name, rt, g, red: _hooks.transform(

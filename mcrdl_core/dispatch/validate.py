@@ -123,3 +123,22 @@ def own_block(out_counts, in_counts, rank: int, what: str) -> None:
             f"{what}: rank {rank} sends itself {in_counts[rank]} elements but expects "
             f"{out_counts[rank]} from itself (input_split_sizes[{rank}] vs "
             f"output_split_sizes[{rank}]); make the two split sizes of its own block equal")
+
+
+def blocks(out: Buffer, inp: Buffer, out_counts, in_counts, rank: int, even: bool,
+           what: str) -> None:
+    """All-to-all: the blocks this rank exchanges fit, as torch requires, checked for
+    every backend before anything is sent: without split sizes (``even``), an output as
+    large as the input (every rank sends and receives equal blocks: a larger output
+    would keep a part never written, a smaller one overrun); and the block this rank
+    sends itself as large as the one it expects from itself (``own_block``). A check of
+    this rank's own arguments: the api runs it after the debug checks (MCRDL_DEBUG),
+    which see every rank's counts and name the ranks that disagree; the fast path never
+    sends what fails here (it leaves such calls to the general path)."""
+    if even and out.numel != inp.numel:
+        raise InvalidArgumentError(
+            f"{what}: output has {out.numel} elements ({out.describe()}) but input has "
+            f"{inp.numel} ({inp.describe()}); without split sizes every rank sends and "
+            "receives equal blocks, so the two must be the same size: pass "
+            "output_split_sizes and input_split_sizes for an uneven exchange")
+    own_block(out_counts, in_counts, rank, what)
