@@ -202,7 +202,7 @@ def _hierarchical(tensor, op, group, async_op, backend, compression):
     t, name = _hier_request("all_reduce", backend, compression)
     buf = _v.output(tensor, "tensor")
     return run(Call(Op.ALL_REDUCE, group, name, buf, reduce_op=op, async_op=async_op,
-                    check=lambda g, c: {"count": buf.numel},
+                    check=lambda g, c: {"count": buf.numel}, via="hier",
                     takeover=lambda rt, g, red: t.all_reduce(rt, g, buf, red, backend,
                                                              async_op)))
 
@@ -226,7 +226,7 @@ def _hierarchical_a2a(output, input, output_split_sizes, input_split_sizes, grou
         _v.numel(out, inp.numel, "output", "the input's element count")
         return {"counts": (counts, counts)}
 
-    return run(Call(Op.ALL_TO_ALL, group, name, inp, async_op=async_op, check=check,
+    return run(Call(Op.ALL_TO_ALL, group, name, inp, async_op=async_op, check=check, via="hier",
                     takeover=lambda rt, g, red: t.all_to_all(rt, g, out, inp, backend,
                                                              async_op)))
 

@@ -15,7 +15,8 @@ The steps, in order, each raising before anything is sent:
    choice for an auto call: ``Call.algorithm``). Transforms are looked
    up by name in ``hooks``, so this module imports none of them;
 5. the observers (``Runtime.before``: the debug checks, user observers), for
-   collectives (not send and recv: only one side of the group calls them);
+   collectives (not send and recv: only one side of the group calls them), with the
+   algorithm that takes the call over, if any (``algorithm="hier"``);
 6. ordering against work in flight on the memory it reads and writes;
 7. the issue (``Call.issue``: the backend's own call) and the finish (register the
    async Work, or wait for it; the logger and the observers' ``after``).
@@ -79,22 +80,25 @@ class Call:
     - ``algorithm(name, rt, g, red)``: how the call runs an algorithm the tuning table
       names instead of a backend (``selection.algorithm``: ``hier``), where the op
       has one; taken as the takeover when the table says so;
-    - ``value``: a blocking call returns its Work's value (recv: the source rank).
+    - ``value``: a blocking call returns its Work's value (recv: the source rank);
+    - ``via``: the name of the algorithm ``takeover`` runs (``"hier"``), which the
+      observers see as the signature's ``algorithm`` (a table's algorithm is named by
+      ``run``): ranks that disagree on it run different collectives.
     """
 
     __slots__ = ("op", "group", "backend", "buf", "reduce_op", "compression", "async_op",
                  "reads", "writes", "nbytes", "log_bytes", "check", "issue", "compressed",
-                 "takeover", "algorithm", "value")
+                 "takeover", "algorithm", "value", "via")
 
     def __init__(self, op, group, backend, buf, *, reduce_op=None, compression=None,
                  async_op=False, reads=(), writes=(), nbytes=-1, log_bytes=0,
                  check=_no_check, issue=None, compressed=None, takeover=None, algorithm=None,
-                 value=False):
+                 value=False, via=None):
         self.op, self.group, self.backend, self.buf = op, group, backend, buf
         self.reduce_op, self.compression, self.async_op = reduce_op, compression, async_op
         self.reads, self.writes, self.nbytes, self.log_bytes = reads, writes, nbytes, log_bytes
         self.check, self.issue, self.compressed = check, issue, compressed
-        self.takeover, self.algorithm, self.value = takeover, algorithm, value
+        self.takeover, self.algorithm, self.value, self.via = takeover, algorithm, value, via
 
 
 def prepare(op, group, buf, backend, reduce_op=None, nbytes=-1):
@@ -136,11 +140,12 @@ def run(c: Call):
     g = rt.group(c.group)
     red = _reduce_op(c.reduce_op, c.buf)
     sig = c.check(g, c)
-    takeover = c.takeover
+    takeover, via = c.takeover, c.via
     if c.algorithm is not None and c.nbytes is not None:
-        name = _selection.algorithm(rt, c.op, g, c.buf, c.backend, c.nbytes)
+        name = _selection.algorithm(rt, c.op, g, c.buf, c.backend, c.nbytes, red)
         if name is not None:
             takeover = functools.partial(c.algorithm, name)
+            via = name.partition(":")[0]  # ("hier:mpi": the algorithm is "hier")
     be = rt.select(c.op, g, c.buf, c.backend, red, c.nbytes)
     if c.compressed is not None:
         cz = compression_for(c.compression, c.op, rt, g, c.backend, c.buf, red)
@@ -149,6 +154,10 @@ def run(c: Call):
     if rt.observed and c.op not in _POINT_TO_POINT:
         if red is not None:
             sig = dict(sig, reduce_op=red)
+        if via is not None:  # (a takeover without a name still differs from the flat call)
+            sig = dict(sig, algorithm=via)
+        elif takeover is not None:
+            sig = dict(sig, algorithm="takeover")
         rt.before(g, c.op, be, c.buf, **sig)
     if takeover is not None:
         return takeover(rt, g, red)

@@ -2,8 +2,10 @@
 
 Before each collective every member contributes a small int64 signature (op, backend,
 dtype, device, reduce op, root, per-rank element count, the compression spec of a
-compressed call (codec, block, algorithm, chunks) and, for all-to-all, its split
-counts, and, for calls traced under a JIT, the array shape). The signatures are all-gathered on a control backend (MPI when available,
+compressed call (codec, block, algorithm, chunks), the algorithm that takes the call
+over where one does (``hier``, asked for or the tuning table's; else the flat
+collective) and, for all-to-all, its split counts, and, for calls traced under a JIT,
+the array shape). The signatures are all-gathered on a control backend (MPI when available,
 else Gloo) that does not depend on what the call chose, so every rank sees the same
 table and raises the same MismatchError naming the ranks that differ, instead of
 hanging or corrupting memory. Point-to-point calls are not checked (only two ranks
@@ -34,7 +36,7 @@ from .observer import Observer
 _OPS = list(Op)
 _REDUCE = list(ReduceOp)
 _FIELDS = ("op", "backend", "dtype", "device", "reduce op", "root", "elements per rank",
-           "role", "compression")
+           "role", "compression", "algorithm")
 _ROLE = contextvars.ContextVar("mcrdl_debug_role", default="call")
 _ROLE_NAMES = {}  # code -> label, for messages
 
@@ -48,6 +50,17 @@ def declare_role(name: str) -> int:
 
 
 _role_code = declare_role
+#: code -> name of the algorithms a call may run instead of the backend's collective
+#: (the signature's ``algorithm``), for messages: the flat collective and the two-level
+#: one are known to every rank, whichever it ran; others as they are seen
+_ALGORITHM_NAMES = {zlib.crc32(n.encode()): n for n in ("flat", "hier", "takeover")}
+
+
+def _algorithm_code(name: str) -> int:
+    code = zlib.crc32(name.encode())
+    _ALGORITHM_NAMES.setdefault(code, name)
+    return code
+
 _SPEC_WORDS = 4  # the spec's text travels too (32 bytes), so messages can quote it
 
 
@@ -102,11 +115,11 @@ def _decode_shape(part):
 
 
 def _encode(op, backend, dtype, device, reduce_op, root, count, counts, n, shape=None,
-            role_name="call", compression="none"):
+            role_name="call", compression="none", algorithm="flat"):
     head = [_OPS.index(op), _backend_names().index(backend), _dt.ALL.index(dtype),
             0 if device.kind == "cpu" else 1, -1 if reduce_op is None else _REDUCE.index(reduce_op),
             -1 if root is None else root, -1 if count is None else count,
-            _role_code(role_name), _spec_code(compression)]
+            _role_code(role_name), _spec_code(compression), _algorithm_code(algorithm)]
     tail = [0] * (2 * n)
     if counts is not None:
         out_counts, in_counts = counts
@@ -126,21 +139,28 @@ def _decode(row, field):
         "reduce op": lambda: "-" if v < 0 else _REDUCE[v].name,
         "role": lambda: repr(_ROLE_NAMES.get(v, f"#{v}")),
         "compression": lambda: repr(_spec_text(row)),
+        "algorithm": lambda: repr(_ALGORITHM_NAMES.get(v, f"#{v}")),
     }.get(field, lambda: v)()
 
 
 def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None, counts=None,
-          shape=None, role_name=None, compression: str = "none"):
+          shape=None, role_name=None, compression: str = "none", algorithm: str = "flat"):
     """``shape``: also compare the array shape (the JAX frontend passes it for traced
     calls, where a shape that differs between ranks would otherwise hang or corrupt).
     ``role_name``: the call's role (default: the innermost ``role()`` block's label).
     ``compression``: a compressed call's spec as text (codec with its block, algorithm,
-    chunks), so that ranks that compress differently are reported too."""
+    chunks), so that ranks that compress differently are reported too. ``algorithm``:
+    what runs the call instead of the backend's collective ("hier": the two-level
+    algorithm, asked for or the table's), "flat" for the collective itself; compared
+    whatever the topology: where hosts make the call two-level, one rank's two-level
+    steps and another's flat collective never match (a hang), and where they do not
+    the same program would hang on a machine where they do."""
     n = group.size
     if n == 1:
         return
     mine = _encode(op, backend.name, buf.dtype, buf.device, reduce_op, root, count, counts, n,
-                   shape, current_role() if role_name is None else role_name, compression)
+                   shape, current_role() if role_name is None else role_name, compression,
+                   algorithm)
     ctrl = rt.backend("mpi" if rt.unavailable_reason("mpi") is None else "gloo")
     inp = Buffer.from_numpy(mine)
     table = np.zeros((n, mine.size), dtype=np.int64)
@@ -176,7 +196,8 @@ def check(rt, group, op, backend, buf, *, reduce_op=None, root=None, count=None,
                     "0 * jnp.sum(y) for an output y that a rank does not use.")
         raise MismatchError(f"mcrdl debug: {op} on {group.describe()} called inconsistently: "
                             + "; ".join(problems[:8]) + ". Make every rank pass the same "
-                            "shape, dtype, root and backend." + hint)
+                            "shape, dtype, root and backend (and ask for hier on all or none)."
+                            + hint)
 
 
 class DebugChecks(Observer):
