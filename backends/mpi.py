@@ -247,7 +247,7 @@ class _Reducible:
             np.copyto(self.buf.host(), arr, casting="unsafe")
 
 
-_FAST_VERSION = 5  # mpi_fast.c's VERSION that this module's calls are written for
+_FAST_VERSION = 6  # mpi_fast.c's VERSION that this module's calls are written for
 _COMPILED: list = []
 
 
@@ -580,7 +580,9 @@ class MPIBackend(Backend):
         ``fast_request`` turns into the pending request. None where the module is not in
         use (``fast_module``). What it returns unfinished is already the call's Work
         (the uneven all-to-all's holds the count arrays MPI reads until completion, as
-        ``counts``). Also sets how the fast path's Works wait
+        ``counts``); a call MPI failed, at the issue or a poll, gives its Work done with
+        the ``MPIError`` as ``error``, which its wait raises as a library failure
+        (CommFailedError, the group marked broken), as the engine's poll would. Also sets how the fast path's Works wait
         (``_FastWork.wait``): in the module where it is in use."""
         c = fast_module()
         _FastWork.wait = MPIWork.wait if c is None else c.work_wait

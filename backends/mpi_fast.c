@@ -15,7 +15,10 @@
  * caller waits for it through its progress engine, with the engine's timeout and
  * diagnostics. ``spin`` < 0 returns the Work untested (async calls), which ``launch``
  * fills in and registers in one call, and whose ``wait`` is ``work_wait``. An MPI
- * error raises ``MPIError`` with MPI's message.
+ * error, at the issue or a poll, is not raised here: the call gives its Work, done,
+ * with an ``MPIError`` of MPI's message as its ``error`` (``failed_work``), which its
+ * wait raises as the engine raises a library's error (CommFailedError, the group marked
+ * broken), whichever path issued it.
  *
  * Arguments: the fixed ones first (communicator, datatype and op handles as mpi4py's
  * ``.handle`` gives them; the root), so that the backend binds them once with
@@ -214,12 +217,41 @@ static PyObject *new_work(PyTypeObject *cls, MPI_Request req, PyObject *status,
     return w;
 }
 
-/* None if ``req`` completes within ``spin`` seconds, else its Work. */
-static PyObject *finish(MPI_Request req, double spin)
+/* The Work of a call that MPI failed with ``rc``, when it was issued (``req`` is then
+ * MPI_REQUEST_NULL) or polled: already done, with an MPIError of MPI's message as its
+ * ``error``, so that the caller's wait (``work_wait``, then the Python one) raises what
+ * the progress engine's wait raises for a library's error: CommFailedError, the group
+ * marked broken. A library error is never raised from an issuer itself. */
+static PyObject *failed_work(PyTypeObject *cls, MPI_Request req, PyObject *status,
+                             PyObject *counts, int rc)
 {
-    int flag, rc = poll(&req, spin, MPI_STATUS_IGNORE, &flag);
+    PyObject *w, *et, *ev, *tb;
+    fail(rc);
+    PyErr_Fetch(&et, &ev, &tb);
+    PyErr_NormalizeException(&et, &ev, &tb);
+    Py_XDECREF(et);
+    Py_XDECREF(tb);
+    if (ev == NULL)
+        return NULL;
+    if ((w = new_work(cls, req, status, counts)) == NULL) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    WORK(w)->error = ev; /* (the reference fetched) */
+    WORK(w)->done = 1;
+    return w;
+}
+
+/* After an issue that returned ``rc``: None if ``req`` completes within ``spin``
+ * seconds, else its Work (a failed one if MPI failed the call: ``failed_work``). */
+static PyObject *finish(int rc, MPI_Request req, double spin)
+{
+    int flag;
     if (rc != MPI_SUCCESS)
-        return fail(rc);
+        return failed_work(work_cls, MPI_REQUEST_NULL, NULL, NULL, rc);
+    rc = poll(&req, spin, MPI_STATUS_IGNORE, &flag);
+    if (rc != MPI_SUCCESS)
+        return failed_work(work_cls, req, NULL, NULL, rc);
     if (flag)
         Py_RETURN_NONE;
     return new_work(work_cls, req, NULL, NULL);
@@ -383,7 +415,7 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     rc = MPI_Iallreduce_c(MPI_IN_PLACE, count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), OP(op),
                         COMM(comm), &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* bcast(comm, dtype, root, spin, ptr, count) */
@@ -398,7 +430,7 @@ static PyObject *bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!parse(args, nargs, "KKidO&n", &comm, &dtype, &root, &spin, address, &ptr, &count))
         return NULL;
     rc = MPI_Ibcast_c(count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), root, COMM(comm), &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* reduce(comm, dtype, op, root, is_root, spin, ptr, count): in place at the root */
@@ -416,7 +448,7 @@ static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     mem = count ? ptr : NULL;
     rc = MPI_Ireduce_c(is_root ? MPI_IN_PLACE : mem, is_root ? mem : NULL, (MPI_Count)count,
                        TYPE(dtype), OP(op), root, COMM(comm), &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* The all-gather and the all-to-all: one block of ``count`` elements per rank, the
@@ -437,7 +469,7 @@ static PyObject *exchange(PyObject *const *args, Py_ssize_t nargs, exchange_fn f
         return NULL;
     rc = fn(count ? inp : NULL, (MPI_Count)count, TYPE(dtype), count ? out : NULL,
             (MPI_Count)count, TYPE(dtype), COMM(comm), &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* allgather(comm, dtype, spin, out, inp, count): count per rank */
@@ -460,7 +492,7 @@ static PyObject *reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     rc = MPI_Ireduce_scatter_block_c(count ? inp : NULL, count ? out : NULL, (MPI_Count)count,
                                      TYPE(dtype), OP(op), COMM(comm), &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* alltoall(comm, dtype, spin, out, inp, count): count per peer */
@@ -555,18 +587,17 @@ static PyObject *alltoallv(PyObject *self, PyObject *const *args, Py_ssize_t nar
                           od, TYPE(dtype), COMM(comm), &req);
     if (rc != MPI_SUCCESS) {
         Py_DECREF(keep);
-        return fail(rc);
+        return failed_work(work_cls, MPI_REQUEST_NULL, NULL, NULL, rc);
     }
     rc = poll(&req, spin, MPI_STATUS_IGNORE, &flag);
-    if (rc != MPI_SUCCESS || flag) {
+    if (rc == MPI_SUCCESS && flag) {
         Py_DECREF(keep);
-        if (rc != MPI_SUCCESS)
-            return fail(rc);
         Py_RETURN_NONE;
     }
     /* from here on MPI may still read the counts: on an error (out of memory) they are
      * leaked, not freed */
-    w = new_work(work_cls, req, NULL, keep);
+    w = rc == MPI_SUCCESS ? new_work(work_cls, req, NULL, keep)
+                          : failed_work(work_cls, req, NULL, keep, rc);
     if (w != NULL)
         Py_DECREF(keep);
     return w;
@@ -586,7 +617,7 @@ static PyObject *send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     rc = MPI_Isend_c(count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), peer, tag, COMM(comm),
                      &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* recv(comm, dtype, spin, ptr, count, peer, tag), peer None: any source. Returns the
@@ -606,17 +637,18 @@ static PyObject *recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     rc = MPI_Irecv_c(count ? ptr : NULL, (MPI_Count)count, TYPE(dtype), src, tag, COMM(comm),
                      &req);
-    if (rc != MPI_SUCCESS)
-        return fail(rc);
-    rc = poll(&req, spin, &st, &flag);
-    if (rc != MPI_SUCCESS)
-        return fail(rc);
-    if (flag)
-        return PyLong_FromLong(st.MPI_SOURCE);
+    if (rc == MPI_SUCCESS) {
+        rc = poll(&req, spin, &st, &flag);
+        if (rc == MPI_SUCCESS && flag)
+            return PyLong_FromLong(st.MPI_SOURCE);
+    } else {
+        req = MPI_REQUEST_NULL;
+    }
     memset(&st, 0, sizeof st);
     if ((status = PyMPIStatus_New(&st)) == NULL)
         return NULL;
-    w = new_work(recv_work_cls, req, status, NULL);
+    w = rc == MPI_SUCCESS ? new_work(recv_work_cls, req, status, NULL)
+                          : failed_work(recv_work_cls, req, status, NULL, rc);
     Py_DECREF(status);
     return w;
 }
@@ -631,7 +663,7 @@ static PyObject *barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (!parse(args, nargs, "Kd", &comm, &spin))
         return NULL;
     rc = MPI_Ibarrier(COMM(comm), &req);
-    return rc == MPI_SUCCESS ? finish(req, spin) : fail(rc);
+    return finish(rc, req, spin);
 }
 
 /* Names the wait reads on the engine and calls, interned once (at import). */
@@ -740,12 +772,13 @@ release:
     return out;
 }
 
-/* The first step of an async fast-path Work's wait: 1 if the work is done, already
- * (without an error) or now: its request completed within the engine's spin, tested
+/* The first step of an async fast-path Work's wait: 1 if the work is done without an
+ * error, already or now: its request completed within the engine's spin, tested
  * under the engine's poll_lock while every work in flight is of ``types`` and nothing
  * is deferred. 2 if it spun that long and the request is not done; 0 if it did not try
- * (an error to raise, no engine, deferred work, another library's work in flight, the
- * lock busy); -1 on an error (raised: an MPI error is MPIError). Finishing is
+ * (an error to raise: a work done with one, a finalizer's too; no engine, deferred
+ * work, another library's work in flight, the lock busy); -1 on an error (raised: an
+ * MPI error is MPIError). Finishing is
  * Work.complete where the work has finalizers, else its three effects, done here. */
 static int finish_core(WorkObject *w, PyObject *types)
 {
@@ -780,6 +813,8 @@ static int finish_core(WorkObject *w, PyObject *types)
     out = spin_and_finish(w, eng, inflight);
     if (out == 1 || out == 2)
         spins++;
+    if (out == 1 && w->error != NULL && w->error != Py_None)
+        out = 0; /* done, but failed (a finalizer raised): the Python wait raises it */
 end:
     Py_DECREF(inflight);
     Py_DECREF(eng);
@@ -899,7 +934,8 @@ static int conflicts(PyObject *inflight, PyObject *spans)
  * memory of ``spans`` conflicts with work in flight on ``engine`` or ``issue(*args)``
  * refuses its arguments (returns False): the caller's general path orders or judges
  * the call. Else the Work: a Work made here gets its fields set and is appended to
- * ``engine.inflight``; anything else (the Python issuers' requests) goes to the Python
+ * ``engine.inflight`` (unless MPI failed it at the issue: then it is done, with its
+ * error for the wait to raise, and nothing is in flight); anything else (the Python issuers' requests) goes to the Python
  * launch ``set_work_classes`` named, as ``launch(op, group, req, spans, keep,
  * engine)``. */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -956,6 +992,10 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(w->keep, args[5]);
     Py_INCREF(args[6]);
     Py_XSETREF(w->engine, args[6]);
+    if (w->done) { /* MPI failed it at the issue: nothing in flight, its wait raises */
+        Py_DECREF(inflight);
+        return req;
+    }
     rc = PyList_Append(inflight, req);
     Py_DECREF(inflight);
     if (rc < 0) {
@@ -1031,7 +1071,7 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
         return NULL;
     /* what mcrdl_backends.mpi expects: raise it when the functions or their arguments
      * change, so that a module built from an older source is refused, not misused */
-    if (PyModule_AddIntConstant(m, "VERSION", 5) < 0)
+    if (PyModule_AddIntConstant(m, "VERSION", 6) < 0)
         return NULL;
 #define INTERN(v, name) if ((v = PyUnicode_InternFromString(name)) == NULL) return NULL
     INTERN(s_pending, "pending");

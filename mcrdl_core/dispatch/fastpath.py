@@ -61,6 +61,9 @@ from ctypes import c_char as _c_char
 from ..base.dtypes import BY_NP
 from ..base.dtypes import dtype_class as _dtype_class
 from ..base.ops import Op, ReduceOp
+# the tags the fast path sends: a user's (a plain int in [0, USER_TAG_LIMIT)); any other
+# (negative, not an int, the core's own) is the general path's to judge (tags.user_tag)
+from ..base.tags import is_user_tag as _user_tag
 from ..engine.progress import spin as _spin
 from ..engine.work import conflicts as _conflicts
 from . import selection as _sel
@@ -185,9 +188,13 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         left = blocking(eng.spin_s, mem, count)
         req = None if left is None else be.fast_request(left)
     else:
-        req = issue(mem, count)
-        if _done_alone(eng, req):
-            req = None
+        req = None
+        try:
+            req = issue(mem, count)
+            if _done_alone(eng, req):
+                req = None
+        except Exception as exc:  # the library failed it (a Python issuer's request)
+            _library_failed(be, Op.ALL_REDUCE, g, req, (owner,), exc)
     if req is not None:  # not done within the spin: the engine's loop (timeout, diagnostics)
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
@@ -203,6 +210,19 @@ def _done_alone(eng, req) -> bool:
     nothing else in flight a progress thread has nothing to poll."""
     test = req.Test
     return test() or _spin(test, eng.spin_s)
+
+
+def _library_failed(be, op, g, req, keep, exc):
+    """Raise what the engine's wait raises for ``exc``, the library's error from a Python
+    issuer's request (``req``; None if the issue itself failed) that the fast path
+    issued or polled itself (a receive of more than its buffer holds): the request's
+    Work completes with it, and its wait raises CommFailedError naming op, group and
+    backend, and marks the group broken (``Work.wait``, ``faults.work_failed``), as on
+    the general path. The compiled issuers hand such a Work back themselves."""
+    work = be.fast_work(op, g, req, _NO_MEMORY, keep)
+    work.complete(exc)
+    work.wait()
+    raise exc  # (the wait raised already)
 
 
 def _spin_polling(eng, test) -> bool:
@@ -295,11 +315,15 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
                 return MISS
             req = be.fast_request(left)
         else:
-            req = issue(*args)
-            if req is False:
-                return MISS
-            if _done_alone(eng, req):
-                return req.source() if source else None
+            req = None
+            try:
+                req = issue(*args)
+                if req is False:
+                    return MISS
+                if _done_alone(eng, req):
+                    return req.source() if source else None
+            except Exception as exc:  # the library failed it (a Python issuer's request)
+                _library_failed(be, op, g, req, keep, exc)
         be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
         return req.source() if source else None
     if inflight or async_op:
@@ -322,7 +346,13 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     if req is False:
         return MISS
     if not inflight:
-        if not _spin_polling(eng, req.Test):
+        try:
+            done = _spin_polling(eng, req.Test)
+        except Exception as exc:  # the library failed it (a Python issuer's request)
+            _library_failed(be, op, g, req, keep, exc)
+        # (a compiled issuer's Work that its library failed at the issue is done, with
+        # its error: its wait raises it)
+        if not done or getattr(req, "error", None) is not None:
             be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
         if record is not None:
             record()
@@ -459,7 +489,7 @@ def all_to_all(rt, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, dtyp
 def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=None,
          bind=None):
     """Send ``count`` elements at ``ptr`` to global rank ``dst``."""
-    if rt.observed:
+    if rt.observed or not _user_tag(tag):
         return MISS
     g = rt.group(group)
     peer = g.group_rank(dst, "dst")
@@ -471,14 +501,14 @@ def send(rt, ptr, count, dtype, owner, dst, tag, group, async_op, backend, buf=N
     if bind is not None and _binds(rt.choices, bind, nbytes):
         _bind(rt, bind, plan, Op.SEND, g, backend, (dst,), _bind_p2p, Op.SEND, dtype.itemsize,
               peer, async_op, sized=(nbytes, dtype))
-    return _run(rt, plan, Op.SEND, g, (ptr, count, peer, int(tag)), (owner,),
+    return _run(rt, plan, Op.SEND, g, (ptr, count, peer, tag), (owner,),
                 async_op, nbytes, ptr, ptr + nbytes, 0, 0)
 
 
 def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=None,
          bind=None):
     """Blocking: the sender's global rank; async: the Work (its ``result()`` is that)."""
-    if rt.observed:
+    if rt.observed or not _user_tag(tag):
         return MISS
     g = rt.group(group)
     peer = None if src is None else g.group_rank(src, "src")
@@ -490,7 +520,7 @@ def recv(rt, ptr, count, dtype, owner, src, tag, group, async_op, backend, buf=N
     if bind is not None and _binds(rt.choices, bind, nbytes):
         _bind(rt, bind, plan, Op.RECV, g, backend, (src,), _bind_p2p, Op.RECV, dtype.itemsize,
               peer, async_op, sized=(nbytes, dtype))
-    done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, int(tag)), (owner,), async_op,
+    done = _run(rt, plan, Op.RECV, g, (ptr, count, peer, tag), (owner,), async_op,
                 nbytes, 0, 0, ptr, ptr + nbytes, True)
     if done is MISS or not async_op:  # blocking: the source's group rank
         return done if done is MISS else g.ranks[done]
@@ -781,7 +811,7 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
 
     def call(ptr, count, tag, owner):
         logging_on = rt.logger.enabled
-        if (tag.__class__ is not int or rt.unusable is not None or g.broken is not None
+        if (not _user_tag(tag) or rt.unusable is not None or g.broken is not None
                 or rt.observed or (not async_op and eng.inflight) or eng.pending
                 or (async_op and logging_on)):
             return MISS

@@ -350,8 +350,10 @@ def test_the_compiled_issuer_is_used_where_built():
 
 
 def test_the_compiled_module_raises_what_mpi_reports():
-    """An MPI error in the compiled module raises its MPIError with MPI's message (the
-    fast path never passes such arguments: a bad root is refused before a plan)."""
+    """An MPI error in the compiled module gives the call's Work already failed with an
+    MPIError of MPI's message, which its wait raises as the engine raises a library's
+    error (tests/mpi/test_seams_fastpath.py; the fast path never passes such arguments:
+    a bad root is refused before a plan)."""
     from mpi4py import MPI
     from mcrdl_backends import mpi as mpi_backend
     mod = mpi_backend.compiled()[0]
@@ -361,8 +363,10 @@ def test_the_compiled_module_raises_what_mpi_reports():
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     try:
         buf = np.zeros(2)
+        failed = mod.bcast(comm.handle, MPI.DOUBLE.handle, SIZE + 5, 0.0, buf, 2)
+        assert isinstance(failed, mod.Work) and failed.done
         with pytest.raises(mod.MPIError, match="MPI error"):
-            mod.bcast(comm.handle, MPI.DOUBLE.handle, SIZE + 5, 0.0, buf, 2)
+            raise failed.error
         # and a good call right after, on a NumPy array by the buffer protocol
         buf[:] = RANK + 1
         left = mod.bcast(comm.handle, MPI.DOUBLE.handle, SIZE - 1, 1.0, buf, 2)
