@@ -407,7 +407,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         tmp_out = alloc.empty((sum(out_counts),), outs[0].dtype, outs[0].device, like=outs[0])
         return tmp_out, _concat(ins, sum(in_counts))
 
-    def issue(be, g, red, sig):
+    def issue(be, g, red, sig):  # (after the debug checks, which see every rank's counts)
+        _v.own_block(out_counts, in_counts, g.rank, "all_to_all")
         tmp_out, tmp_in = staging()
         work = be.all_to_all(g, tmp_out, tmp_in, out_counts, in_counts)
         work.add_finalizer(lambda: _scatter_into(tmp_out, outs))

@@ -342,3 +342,21 @@ def test_a_table_naming_an_unrunnable_hier_falls_back_to_the_policy(rt, frontend
             _all_reduce(frontend, 5, salt, None, None)
         else:
             _good_even_a2a(frontend, None, salt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_list_form_refuses_an_own_block_that_disagrees(rt, backend):
+    """The list form of defect 5: ``output_tensor_list[rank]`` of 2 elements where
+    ``input_tensor_list[rank]`` has 1 is refused on every rank before anything is sent
+    (before: MPI left an element unwritten, Gloo failed in the library); then a good
+    call runs right."""
+    n = SIZE
+    ins = [values(RANK, 1, F, j) for j in range(n)]
+    outs = [torch.full((2 if j == RANK else 1,), -1.0, dtype=F) for j in range(n)]
+    with pytest.raises(InvalidArgumentError, match="itself"):
+        dist.all_to_all(outs, ins, backend=backend)
+    assert all((o.numpy() == -1).all() for o in outs)
+    outs = [torch.zeros(1, dtype=F) for _ in range(n)]
+    dist.all_to_all(outs, ins, backend=backend)
+    for j in range(n):
+        np.testing.assert_array_equal(outs[j].numpy(), values(j, 1, F, RANK).numpy())
