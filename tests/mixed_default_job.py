@@ -26,7 +26,26 @@ def rank0_alone(g):
         assert torch.equal(t, torch.ones(2))
 
 
-if sys.argv[1] == "members-only":
+if sys.argv[1] == "one-never-starts":
+    # rank 1 never starts MCR-DL: rank 0's bootstrap, on torch's own store (whose
+    # timeout is the group's 30 minutes), gives up at MCRDL_TIMEOUT with the remedy
+    import time
+
+    from mcrdl_core.base.errors import CommTimeoutError
+
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            mcrdl_core.init()
+            raise SystemExit("rank 0: expected CommTimeoutError")
+        except CommTimeoutError as exc:
+            assert "mcrdl_core.init()" in str(exc) and time.monotonic() - start < 15, exc
+        print(f"rank {rank}: bootstrap timeout ok", flush=True)
+    else:
+        time.sleep(6)
+    dist.destroy_process_group()
+    sys.exit(0)
+elif sys.argv[1] == "members-only":
     # the runtime is not up yet and rank 1 never enters the creator: the members start
     # a runtime among themselves (before, this hung in a bootstrap waiting for rank 1)
     g = dist.new_group([2, 0], backend="mcrdl", sort_ranks=False)

@@ -60,6 +60,14 @@ def test_mixed_default_remedy_under_a_hand_made_env_launch():
 
 
 @pytest.mark.multirank
+def test_bootstrap_on_torchs_store_times_out_at_mcrdl_timeout():
+    """The shared store's own timeout is torch's group's (30 minutes): a rank that never
+    starts MCR-DL makes the others' bootstrap fail at MCRDL_TIMEOUT, naming the remedy."""
+    outs = _hand_made(2, "mixed_default_job.py", "one-never-starts", timeout_s="2")
+    assert "rank 0: bootstrap timeout ok" in outs[0], outs[0][-3000:]
+
+
+@pytest.mark.multirank
 def test_torchrun_reinit_with_gloo_subgroups():
     """destroy_process_group + init_process_group under torchrun, each time with a
     new_group(backend="gloo"): the second one used to hang on the first one's keys."""

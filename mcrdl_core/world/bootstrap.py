@@ -31,6 +31,7 @@ at the timeout (``Runtime.peers_gone``). Ranks on other machines cannot be probe
 """
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import os
 import pickle
@@ -38,7 +39,7 @@ import socket
 import zlib
 
 from ..base import config as _config
-from ..base.errors import BackendUnavailableError, InvalidArgumentError
+from ..base.errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
 from . import mpi_setup
 from ..engine.progress import engine
 from .backend import load_attr
@@ -236,6 +237,25 @@ class EnvBootstrap(Bootstrap):
         self._group_seq: dict = {}
         self._set_hosts(self.allgather((socket.gethostname(), process_identity())))
 
+    def _get(self, key: str):
+        """The object another rank put under ``key``, waiting for it at most
+        ``MCRDL_TIMEOUT``: the store may be torch's default group's (shared, see
+        ``mcrdl_backends.gloo.env_store``), whose own timeout is that group's (30
+        minutes by default), and a rank that never starts MCR-DL must not hold the
+        others that long in silence."""
+        wait = getattr(self.store, "wait", None)
+        if wait is not None:
+            secs = _config.get("MCRDL_TIMEOUT")
+            try:
+                wait([key], datetime.timedelta(seconds=secs))
+            except RuntimeError as exc:  # torch's DistStoreError: "Wait timeout"
+                raise CommTimeoutError(
+                    f"mcrdl: rank {self.rank}: the bootstrap waited {secs:g} s (MCRDL_TIMEOUT) "
+                    f"for {key!r} from another rank through the launcher's store: {exc}. "
+                    "Every rank must start MCR-DL (its first call, or mcrdl_core.init()) "
+                    "in the same order; raise MCRDL_TIMEOUT if a rank is just slow") from exc
+        return pickle.loads(self.store.get(key))
+
     def _key(self) -> str:
         self._seq += 1
         return f"mcrdl/bootstrap/{self._seq}"
@@ -250,24 +270,24 @@ class EnvBootstrap(Bootstrap):
         if self.rank == ranks[root]:
             self.store.set(key, pickle.dumps(obj))
             return obj
-        return pickle.loads(self.store.get(key))
+        return self._get(key)
 
     def group_allgather(self, obj, ranks) -> list:
         key = self._group_key(ranks)
         self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
-        return [pickle.loads(self.store.get(f"{key}/{r}")) for r in ranks]
+        return [self._get(f"{key}/{r}") for r in ranks]
 
     def bcast(self, obj, root: int = 0):
         key = self._key()
         if self.rank == root:
             self.store.set(key, pickle.dumps(obj))
             return obj
-        return pickle.loads(self.store.get(key))
+        return self._get(key)
 
     def allgather(self, obj) -> list:
         key = self._key()
         self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
-        return [pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.size)]
+        return [self._get(f"{key}/{r}") for r in range(self.size)]
 
 
 def _span(ranks: list) -> str:
