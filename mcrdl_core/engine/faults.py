@@ -120,7 +120,7 @@ def work_failed(work) -> BaseException:
     if isinstance(err, McrdlError) or not hasattr(group, "mark_broken"):
         return err
     # (a work found failed at a wait's first look was never registered: the engine's rank)
-    rank = (work.engine or _progress.engine()).rank
+    rank = getattr(work.engine or _progress.engine(), "rank", "?")
     wrapped = CommFailedError(
         f"mcrdl: rank {rank}: {work.op} on {group.describe()} via backend '{work.backend}' "
         f"failed in the library: {type(err).__name__}: {err}. A peer most likely died, "
