@@ -79,7 +79,7 @@ class Buffer:
         self.readonly = readonly
         self.owner = owner
         self.numel = math.prod(self.shape)
-        if strides is not None and _compact_strides(self.shape) == tuple(strides):
+        if strides is not None and _is_compact(self.shape, strides):
             strides = None
         self.strides = None if strides is None else tuple(strides)
         self._host = None
@@ -219,6 +219,16 @@ def _element_strides(arr, module: str) -> tuple | None:
         raise InvalidArgumentError("array strides are not a multiple of its item size; "
                                    f"pass {module}.ascontiguousarray(arr)")
     return strides
+
+
+def _is_compact(shape: tuple, strides) -> bool:
+    """Whether ``strides`` (in elements) lay ``shape`` out in compact row-major order, as
+    NumPy judges C-contiguity: any layout of no elements is, and the stride of a
+    dimension of size 1 is never used (torch gives ``torch.from_numpy(np.zeros(0))``
+    stride (0,), and a size-1 dimension any stride)."""
+    if 0 in shape:
+        return True
+    return all(n == 1 or s == c for n, s, c in zip(shape, strides, _compact_strides(shape)))
 
 
 def _compact_strides(shape: tuple) -> tuple:
