@@ -64,7 +64,10 @@ def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, chec
     rt, g, be, reduce_op = prepare(op, group, probe, backend, reduce_op, nbytes)
     if rt.observed and check:
         sig = dict(reduce_op=reduce_op, root=None if root is None else g.group_rank(*root),
-                   count=probe.numel, counts=counts, shape=None if counts else probe.shape,
+                   # an uneven all-to-all's ranks hold different element counts; its
+                   # split counts are what must agree (as the eager call checks them)
+                   count=None if counts else probe.numel, counts=counts,
+                   shape=None if counts else probe.shape,
                    role_name=_debug.current_role())
         rt.before(g, op, be, probe, **sig)
         _debug_at_run_time(rt, g, op, be, probe, sig)
