@@ -14,3 +14,13 @@ def test_empty_and_size_one_layouts_are_contiguous_as_numpy_judges():
         assert t.is_contiguous()
         assert as_buffer(t).is_contiguous, (t.shape, t.stride())
     assert not as_buffer(torch.zeros(4, 2)[:, :1]).is_contiguous  # a real gap stays one
+
+
+def test_mcrdl_backend_names_one_backend_for_both_ends_of_a_message():
+    import pytest
+    from mcrdl_core.base.errors import TableError
+    from mcrdl_core.dispatch.selection import parse_override
+    assert parse_override("send=gloo") == {"send": "gloo", "recv": "gloo"}
+    assert parse_override("mpi,recv=gloo")["send"] == "gloo"
+    with pytest.raises(TableError, match="both ends of a message"):
+        parse_override("send=mpi,recv=gloo")

@@ -80,7 +80,8 @@ class Var:
 
 VARS: dict[str, Var] = {v.name: v for v in (
     Var("MCRDL_BACKEND", "backend name, or `op=backend,...`", None, "unset",
-        "backend of calls that name none and whose group has no default"),
+        "backend of calls that name none and whose group has no default (`send=` also "
+        "applies to receives: both ends of a message use one backend)"),
     Var("MCRDL_TUNING_TABLE", "path, or `none`", None,
         "`$XDG_CACHE_HOME/mcrdl/tuning.json` (`~/.cache/...`)",
         "tuning table read at start-up and written by `mcrdl tune`; `none` disables tables; "

@@ -178,14 +178,25 @@ def fmt_bytes(b) -> str:
     return f"{b} B"
 
 
+#: the entries a send or a receive is looked up in, in this order, the same for both:
+#: the two ends of one message must pick one backend whatever the table holds
+#: (``mcrdl tune`` writes its "send" and "recv" entries alike; a hand-made table, or one
+#: with a "send" entry for one dtype class only, may not, and ends that looked up their
+#: own op used two libraries for one message and hung)
+_P2P_KEYS = ("send", "recv")
+
+
 def _either_class(index: dict, op, world_size, hosts, device, dtype_class):
     """``index``'s value for the key, else for the same key of the other dtype class (a
-    table tuned for one class serves the other where it has no entry of its own)."""
-    hit = index.get((op, world_size, hosts, device, dtype_class))
-    if hit is None:
-        other = "int" if dtype_class == "float" else "float"
-        hit = index.get((op, world_size, hosts, device, other))
-    return hit
+    table tuned for one class serves the other where it has no entry of its own). A
+    send and a receive both take the first of ``_P2P_KEYS`` the table has."""
+    other = "int" if dtype_class == "float" else "float"
+    for name in (_P2P_KEYS if op in _P2P_KEYS else (op,)):
+        for cls in (dtype_class, other):
+            hit = index.get((name, world_size, hosts, device, cls))
+            if hit is not None:
+                return hit
+    return None
 
 
 def _range_of(bounds: list, nbytes: int) -> int:
@@ -462,6 +473,14 @@ def parse_override(text: str | None) -> dict:
             out[op.strip()] = name.strip()
         else:
             out["*"] = part
+    # one backend for both ends of a message: a send's choice is its receive's
+    ends = {out[k] for k in _P2P_KEYS if k in out}
+    if len(ends) > 1:
+        raise TableError(f"MCRDL_BACKEND={text!r} names send={out['send']} and "
+                         f"recv={out['recv']}: both ends of a message must use one backend; "
+                         "name it once (send=NAME applies to receives too)")
+    if ends:
+        out["send"] = out["recv"] = ends.pop()
     return out
 
 
