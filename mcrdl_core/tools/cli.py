@@ -586,6 +586,23 @@ Re-tune some sizes of some ops into the same file (e.g. after the comm logger's
 """
 
 
+def cmd_fuzz(args) -> int:
+    """``mcrdl fuzz ...``: tests/fuzz/driver.py of the checkout this package runs from
+    (the fuzzer checks the installed code with the test suite's programs; it is not
+    shipped in a wheel)."""
+    import importlib.util
+    from pathlib import Path
+    driver = Path(__file__).resolve().parents[2] / "tests" / "fuzz" / "driver.py"
+    if not driver.exists():
+        print(f"mcrdl fuzz: {driver} not found; the fuzzer runs from a checkout of MCR-DL "
+              "(pip install -e .)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("mcrdl_fuzz_driver", driver)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mcrdl", description="MCR-DL command line")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -642,12 +659,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
     p = sub.add_parser("info", help="backends, bootstrap and the tuning table in force")
     p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("fuzz", add_help=False,
+                       help="the differential fuzzer (tests/fuzz/ of a checkout): random mixed "
+                            "programs checked against NumPy on every rank; launches mpiexec "
+                            "itself (mcrdl fuzz --help)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_fuzz)
     add_cluster_parser(sub)
     return ap
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["fuzz"]:  # its own options (the driver's parser), passed on whole
+        return cmd_fuzz(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     if args.cmd == "cluster":  # its errors are the user's to act on: a message, no traceback
         try:
