@@ -182,8 +182,12 @@ def _abort_job(kind) -> None:
     error). The job has failed whichever way it ends, so ending it at once loses
     nothing: the peers see the end of the job within a second, not at their timeout.
     Not under ``MCRDL_EXIT_GUARD=0`` (the libraries' own exit), nor in a process of its
-    own (a 1-process world: Python's status 1 is the job's)."""
+    own (a 1-process world: Python's status 1 is the job's), nor at an interactive
+    prompt (``python -i``, ``code.interact``), which hands every error typed there to
+    this hook and goes on."""
     if not _config.get("MCRDL_EXIT_GUARD") or not _mpi_initialized():
+        return
+    if hasattr(sys, "ps1") or sys.flags.interactive:
         return
     try:
         world = sys.modules["mpi4py.MPI"].COMM_WORLD
