@@ -342,7 +342,10 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
         if record is not None:  # (if it completed meanwhile, add_finalizer records at once)
             work.add_finalizer(record)
         return work
-    req = issue(*args)
+    try:
+        req = issue(*args)
+    except Exception as exc:  # the library refused the issue (a Python issuer)
+        _library_failed(be, op, g, None, keep, exc)
     if req is False:
         return MISS
     if not inflight:
