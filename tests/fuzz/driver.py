@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 JOB = HERE / "job.py"
 WAIT_TIMEOUT = 20  # s, MCRDL_TIMEOUT inside the job
+LAUNCH_S = 180.0  # s, the longest one launch runs programs in long mode
 
 
 def _mpiexec() -> str:
@@ -179,9 +180,12 @@ def main(argv=None) -> int:
         left = a.minutes * 60 - (time.monotonic() - t0) if a.minutes else 0.0
         if a.minutes and left <= 5:
             break
+        # long mode: a fresh launch every few minutes (a process that has run thousands
+        # of programs holds thousands of jitted executables)
+        chunk = min(left, LAUNCH_S)
         rep = run_job(a.ranks, out / "job", seeds=f"{lo}:{hi}", steps=a.steps,
-                      minutes=max(left, 0.1) / 60 if a.minutes else 0.0,
-                      limit=(left + 240) if a.minutes else 900.0)
+                      minutes=max(chunk, 6) / 60 if a.minutes else 0.0,
+                      limit=(chunk + 240) if a.minutes else 900.0)
         ran += len(rep["ran"]) - (1 if rep["failed"] and rep["failed"]["seed"] in rep["ran"] else 0)
         if not rep["failed"]:
             if not rep["ran"]:

@@ -192,6 +192,9 @@ def _step(rng, nranks: int, pool, i: int, prior: list[dict]) -> dict:
         st["compression"] = codec + algo
         if dtype in FLOATS and codec != "none":
             st["values"] = "normal"
+            if st.get("reduce") not in (None, "sum", "avg"):
+                # the codecs' error bound composes simply through sums (docs/compression.md)
+                st["reduce"] = "sum"
     if (dtype in INTS and st.get("reduce") == "sum" and st["compression"] is None
             and rng.random() < 0.3):
         st["values"] = "range"  # near the integer type's top: sums wrap, as in C
@@ -267,16 +270,16 @@ def values(st: dict, rank: int, shape, salt: int = 0) -> np.ndarray:
     dt = np_dtype(st["dtype"])
     kind = st["values"]
     if kind == "normal":
-        v = rng.standard_normal(shape) + 2.0  # mostly positive: sums do not cancel
+        v = rng.standard_normal(shape)  # zero mean: a dropped or swapped block shows
     elif kind == "range":
         # float16 values near its top (40000 of 65504) and a small remainder, signed
         # + + - - by rank: the exact sum is small, a partial sum of two ranks (one host's,
         # with two ranks per host) overflows float16; float32 accumulation is exact
         sign = 1 if (rank // 2) % 2 == 0 else -1
         if st["dtype"] in INTS:
-            info = np.iinfo(np_dtype(st["dtype"]))
-            v = (info.max - rng.integers(0, 8, size=shape)).astype(np.float64)
-            return (v * (sign if info.min < 0 else 1)).astype(np.int64).astype(np_dtype(st["dtype"]))
+            info = np.iinfo(np_dtype(st["dtype"]))  # integer arithmetic (int64 is exact)
+            v = np.int64(info.max) - rng.integers(0, 8, size=shape, dtype=np.int64)
+            return (v * (sign if info.min < 0 else 1)).astype(np_dtype(st["dtype"]))
         v = sign * 40000.0 + rng.integers(0, 4, size=shape)
     elif kind == "tiny":
         v = rng.integers(1, 4, size=shape).astype(np.float64)
