@@ -205,6 +205,10 @@ def _abort_job(kind) -> None:
             stream.flush()
         except Exception:  # a closed stream must not stop the abort
             pass
+    # a moment for the launcher to forward what this rank wrote: hydra's proxy drops
+    # output it has not read yet when the abort kills the job (a fresh-clone run lost
+    # the traceback and this line so)
+    time.sleep(0.5)
     world.Abort(1)
 
 
