@@ -258,6 +258,14 @@ class Runner:
             return None
         return self.results[src]
 
+    def in_place_inputs(self, st, ranks):
+        """(the buffer to work on in place, or None for a new one; every group rank's
+        input): an aliased step's are the earlier step's buffer and expected content."""
+        src = self.alias_source(st, ranks)
+        if src is not None:
+            return src
+        return None, [self.vals(st, r, P.shape_of(st)) for r in ranks]
+
     def keep(self, st, buf, expect_all):
         if st["i"] in self.aliased:
             self.results[st["i"]] = (buf, expect_all)
@@ -281,14 +289,8 @@ class Runner:
         return None
 
     def op_all_reduce(self, st, g, n, me, ranks):
-        src = self.alias_source(st, ranks)
+        buf, ins = self.in_place_inputs(st, ranks)
         red = st.get("reduce", "sum")
-        if src is not None:
-            buf, prev = src
-            ins = prev
-        else:
-            ins = [self.vals(st, r, P.shape_of(st)) for r in ranks]
-            buf = None
         exp = P.reduce_all(ins, red, st["dtype"])
         f = st["front"]
         if f in ("jax", "jit"):
@@ -304,14 +306,8 @@ class Runner:
         return w, self.checker(st, n, [(buf, exp, "result", contributions(ins, red))])
 
     def op_broadcast(self, st, g, n, me, ranks):
-        src = self.alias_source(st, ranks)
+        buf, ins = self.in_place_inputs(st, ranks)
         root = st["root"]
-        if src is not None:
-            buf, prev = src
-            ins = prev
-        else:
-            ins = [self.vals(st, r, P.shape_of(st)) for r in ranks]
-            buf = None
         exp = ins[ranks.index(root)]
         f = st["front"]
         if f in ("jax", "jit"):
