@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from table import _env, launcher, variants  # (this folder is on sys.path: run as a script)
+from launching import launcher, run_env, variants  # (this folder is on sys.path: run as a script)
 
 HERE = Path(__file__).resolve().parent
 LINE = re.compile(r"Finished training it (\d+)/\d+ of epoch \d+, ([\d.]+) ms/it, loss ([\d.]+)")
@@ -47,12 +47,12 @@ def args_of(a) -> list:
 
 
 def launch(a, variant) -> dict:
-    """One run of ``variant`` (``table.variants``); the program runs in the checkout,
+    """One run of ``variant`` (``launching.variants``); the program runs in the checkout,
     so the paths given are made absolute here."""
     name, backend, options, extra, tuned = variant
     dlrm = Path(a.dlrm).resolve()
     table = str(Path(a.table).resolve()) if tuned and a.table else None
-    env = _env(table, {**extra, **({"MCRDL_BACKEND": options} if options else {})})
+    env = run_env(table, {**extra, **({"MCRDL_BACKEND": options} if options else {})})
     cmd = launcher(a.ranks, a.cluster, a.hosts) + [
         sys.executable, "-m", "mcrdl_torch.run", str(HERE / "fb_dlrm_data.py"),
         str(dlrm / "dlrm_s_pytorch.py"), f"--dist-backend={backend}"] + args_of(a)

@@ -42,33 +42,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-OUT = ROOT / "bench" / "out"
-BIN = Path(sys.executable).parent
+from fb_dlrm import launch as fb_dlrm_launch
+from launching import CODECS, OUT, ROOT, launcher, run_env, tune, variants
 
-CODECS = "fp16,bf16"  # default of --codecs: what "tuned + codecs" allows, on all_to_all
+HERE = Path(__file__).resolve().parent
 #: the run the others' losses are compared with: uncompressed
 REFERENCE = "mcrdl: mpi"
-
-
-def variants(codecs: str) -> list:
-    """(name, torch backend, pg_options, extra environment, uses the tuning table)."""
-    allowed = "+".join(c for c in codecs.split(",") if c)
-    return [("gloo (torch)", "gloo", None, {}, False),
-            ("mcrdl: mpi", "mcrdl", "mpi", {}, False),
-            ("mcrdl: gloo", "mcrdl", "gloo", {}, False),
-            ("mcrdl: tuned", "mcrdl", "", {}, True),
-            (f"mcrdl: tuned + a2a {allowed}", "mcrdl", "",
-             {"MCRDL_COMPRESSION": f"all_to_all=auto:{allowed}"}, True),
-            ("mcrdl: mpi (A/A)", "mcrdl", "mpi", {}, False)]
 
 
 #: the apps' shapes (``--shape``): their defaults, and communication-heavy ones that
@@ -95,48 +79,6 @@ MIXED = [("mcrdl: a2a mpi, ar gloo", "mcrdl", "all_to_all=mpi,all_reduce=gloo", 
          ("mcrdl: a2a gloo, ar mpi", "mcrdl", "all_to_all=gloo,all_reduce=mpi", {}, False)]
 
 
-def _env(table: str | None, extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["MCRDL_TUNING_TABLE"] = table or "none"
-    env.setdefault("MCRDL_TIMEOUT", "120")
-    env.pop("MCRDL_BACKEND", None)
-    env.pop("MCRDL_COMPRESSION", None)
-    env.update(extra or {})
-    return env
-
-
-def mpiexec() -> str:
-    exe = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
-    if not exe:
-        raise SystemExit("mpiexec not found: install the mpich extra (pip install 'mcr-dl[mpich]')")
-    return exe
-
-
-def launcher(n: int, cluster: str | None, hosts: int = 2) -> list:
-    """``mpiexec -n N``, or the emulated cluster: ``hosts`` hosts, N/hosts ranks each,
-    links shaped to ``cluster`` (tc's units, e.g. 1gbit)."""
-    if not cluster:
-        return [mpiexec(), "-n", str(n)]
-    if n % hosts:
-        raise SystemExit(f"--cluster runs {hosts} hosts with the same number of ranks: {n} "
-                         "ranks do not split; change --ranks or --hosts")
-    return [str(BIN / "mcrdl"), "cluster", "run", "--hosts", str(hosts), "--ranks-per-host",
-            str(n // hosts), "--rate", cluster, "--"]
-
-
-def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2,
-         codecs: str = CODECS) -> None:
-    """all_reduce and all_to_all at the apps' sizes, the compressed all-to-all of
-    ``codecs`` measured as candidates (for the "tuned + codecs" variant)."""
-    cmd = launcher(n, cluster, hosts) + [str(BIN / "mcrdl"), "tune", "--ops", "all_reduce",
-           "all_to_all", "--sizes", "4", "4K", "64K", "256K", "1M", "2M", "4M", "8M",
-           "--compression", codecs, "--output", str(path)]
-    print("tuning:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=_env(str(path)), cwd=ROOT, timeout=1200,
-                   stdout=subprocess.DEVNULL)
-
-
 def launch(app: str, n: int, variant, steps: int, table: str | None,
            cluster: str | None = None, hosts: int = 2, shape: str = "default",
            dlrm: str | None = None) -> dict:
@@ -149,7 +91,7 @@ def launch(app: str, n: int, variant, steps: int, table: str | None,
     if options:
         cmd += ["--pg-options", options]
     out.unlink(missing_ok=True)
-    proc = subprocess.run(cmd, env=_env(table if tuned else None, extra),
+    proc = subprocess.run(cmd, env=run_env(table if tuned else None, extra),
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         if not out.exists():
@@ -167,12 +109,10 @@ def fb_dlrm_run(dlrm: str, n: int, variant, steps: int, table: str | None,
     ``dlrm``) as an app's result: ``steps`` global batches of 2048, timed after the
     first sixth (its print interval); its last printed loss is its one loss; no
     communication share (the program does not time its communication)."""
-    import fb_dlrm  # (it imports this module: loaded when first used)
-
     a = argparse.Namespace(dlrm=dlrm, ranks=n, cluster=cluster, hosts=hosts, table=table,
                            batch=2048, batches=steps, print_freq=max(1, steps // 6),
                            rows=20000)
-    r = fb_dlrm.launch(a, variant)
+    r = fb_dlrm_launch(a, variant)
     return {"samples_per_s": r["samples_per_s"], "losses": [r["loss"]], "comm_share": None}
 
 
