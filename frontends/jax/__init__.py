@@ -36,6 +36,8 @@ from mcrdl_core.base.errors import InvalidArgumentError
 
 from . import eager as _eager
 from . import gpu as _gpu
+from . import nonblocking as _nb
+from .nonblocking import Handle, in_flight, wait, wait_all  # noqa: F401  (public names)
 from .compat import check_internals, trace_state_clean
 from .shapes import leading_blocks
 
@@ -88,73 +90,108 @@ def _splits(s):
 
 
 # --- collectives --------------------------------------------------------------------------
-def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None, compression=None):
-    """``compression``: allow a lossy codec, as in mcrdl_torch (docs/compression.md)."""
+def all_reduce(x, op=ReduceOp.SUM, group=None, backend=None, compression=None,
+               async_op: bool = False):
+    """``compression``: allow a lossy codec, as in mcrdl_torch (docs/compression.md).
+    ``async_op=True`` (every call takes it): a :class:`Handle`; :func:`wait` returns the
+    result (eager and under jit: ``nonblocking.py``, docs/jax.md)."""
+    if async_op:
+        return _nb.call("all_reduce", (x,), (op, group, backend, compression))
     return _path(x).all_reduce(x, op, group, backend, compression)
 
 
-def reduce(x, dst: int = 0, op=ReduceOp.SUM, group=None, backend=None):
+def reduce(x, dst: int = 0, op=ReduceOp.SUM, group=None, backend=None,
+           async_op: bool = False):
     """The reduction on ``dst``; the input, unchanged, elsewhere."""
+    if async_op:
+        return _nb.call("reduce", (x,), (dst, op, group, backend))
     return _path(x).reduce(x, dst, op, group, backend)
 
 
-def broadcast(x, src: int = 0, group=None, backend=None):
+def broadcast(x, src: int = 0, group=None, backend=None, async_op: bool = False):
+    if async_op:
+        return _nb.call("broadcast", (x,), (src, group, backend))
     return _path(x).broadcast(x, src, group, backend)
 
 
-def all_gather(x, group=None, backend=None, tiled: bool = False, compression=None):
-    """Shape (n, *x.shape), or (n * x.shape[0], ...) with ``tiled=True``."""
+def all_gather(x, group=None, backend=None, tiled: bool = False, compression=None,
+               async_op: bool = False):
+    """Shape (n, *x.shape), or (n * x.shape[0], ...) with ``tiled=True`` (not with
+    ``async_op=True``: the handle's result is stacked; reshape it)."""
+    if async_op:
+        if tiled:
+            raise InvalidArgumentError("mcrdl_jax.all_gather: tiled=True with async_op=True "
+                                       "is not supported; reshape the waited result")
+        return _nb.call("all_gather", (x,), (group, backend, compression))
     y = _path(x).all_gather(x, group, backend, compression)
     if tiled:
         y = y.reshape((y.shape[0] * x.shape[0], *x.shape[1:]) if x.ndim else (y.shape[0],))
     return y
 
 
-def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None, compression=None):
+def reduce_scatter(x, op=ReduceOp.SUM, group=None, backend=None, compression=None,
+                   async_op: bool = False):
     """``x.shape[0]`` must be a multiple of the group size n; returns block i of the
     reduction, shape (x.shape[0] // n, ...), on group rank i."""
+    if async_op:
+        return _nb.call("reduce_scatter", (x,), (op, group, backend, compression))
     return _path(x).reduce_scatter(x, op, group, backend, compression)
 
 
 def all_to_all(x, group=None, backend=None, input_split_sizes=None, output_split_sizes=None,
-               compression=None):
+               compression=None, async_op: bool = False):
     """Split the leading axis into n blocks (or the given sizes) and exchange them.
     With uneven splits, ``output_split_sizes`` gives the rows this rank receives.
     ``compression``: allow a lossy codec for the blocks ("fp16", "bf16", "int8", "fp8";
     docs/compression.md); the backward pass uses the same codec."""
+    if async_op:
+        return _nb.call("all_to_all", (x,), (group, backend, _splits(input_split_sizes),
+                                             _splits(output_split_sizes), compression))
     return _path(x).all_to_all(x, group, backend, _splits(input_split_sizes),
                                _splits(output_split_sizes), compression)
 
 
-def gather(x, dst: int = 0, group=None, backend=None):
+def gather(x, dst: int = 0, group=None, backend=None, async_op: bool = False):
     """Shape (n, *x.shape) on ``dst``; the input, unchanged, elsewhere."""
+    if async_op:
+        return _nb.call("gather", (x,), (dst, group, backend))
     return _path(x).gather(x, dst, group, backend)
 
 
-def scatter(x, src: int = 0, group=None, backend=None):
+def scatter(x, src: int = 0, group=None, backend=None, async_op: bool = False):
     """``x`` of shape (n, *s) on ``src`` (any array of that shape elsewhere): block i to
     group rank i, shape s."""
     _check(x)
     leading_blocks(x, _core.get_world_size(group), "scatter", exact=True)
+    if async_op:
+        return _nb.call("scatter", (x,), (src, group, backend))
     return _path(x).scatter(x, src, group, backend)
 
 
 # --- point to point -----------------------------------------------------------------------
-def send(x, dst: int, group=None, tag: int = 0, backend=None):
+def send(x, dst: int, group=None, tag: int = 0, backend=None, async_op: bool = False):
     """Send ``x`` to ``dst``. Returns a token (float32 zero); under ``jax.grad`` include it
     in what you differentiate so that the cotangent is received back."""
+    if async_op:
+        return _nb.call("send", (x,), (dst, group, _tags.user_tag(tag, "send"), backend))
     return _path(x).send(x, dst, group, _tags.user_tag(tag, "send"), backend)
 
 
-def recv(like, src: int | None = None, group=None, tag: int = 0, backend=None):
+def recv(like, src: int | None = None, group=None, tag: int = 0, backend=None,
+         async_op: bool = False):
     """A new array shaped and typed like ``like``, filled from ``src`` (any if None)."""
+    if async_op:
+        return _nb.call("recv", (like,), (src, group, _tags.user_tag(tag, "recv"), backend))
     return _path(like).recv(like, src, group, _tags.user_tag(tag, "recv"), backend)
 
 
 def sendrecv(sendbuf, recvbuf_like, source: int, dest: int, group=None, tag: int = 0,
-             backend=None):
+             backend=None, async_op: bool = False):
     """Send ``sendbuf`` to ``dest`` and receive an array like ``recvbuf_like`` from
     ``source``, both posted before either is waited on (no ordering deadlock)."""
+    if async_op:
+        return _nb.call("sendrecv", (sendbuf, recvbuf_like),
+                        (source, dest, group, _tags.user_tag(tag, "sendrecv"), backend))
     return _path(sendbuf, recvbuf_like).sendrecv(sendbuf, recvbuf_like, source, dest, group,
                                                  _tags.user_tag(tag, "sendrecv"), backend)
 

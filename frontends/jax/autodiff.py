@@ -289,3 +289,20 @@ def _sendrecv_bwd(st, res, ct):
 
 
 sendrecv = _vjp("sendrecv", 2, 5, _none, _sendrecv_bwd)
+
+
+# the derivative of each op as a (backward rule, check) pair: the split-phase calls of
+# nonblocking.py differentiate through the same rules as the blocking ones
+RULES = {
+    "all_reduce": (_all_reduce_bwd, lambda op, g, b, c: _linear(op, "all_reduce")),
+    "reduce": (_reduce_bwd, lambda dst, op, g, b: _linear(op, "reduce")),
+    "broadcast": (_broadcast_bwd, _none),
+    "all_gather": (_all_gather_bwd, _none),
+    "reduce_scatter": (_reduce_scatter_bwd, lambda op, g, b, c: _linear(op, "reduce_scatter")),
+    "all_to_all": (_all_to_all_bwd, _none),
+    "gather": (_gather_bwd, _none),
+    "scatter": (_scatter_bwd, _none),
+    "send": (_send_bwd, _none),
+    "recv": (_recv_bwd, _recv_check),
+    "sendrecv": (_sendrecv_bwd, _none),
+}

@@ -69,13 +69,16 @@ def _as_layout(x, what: str) -> Layout:
 
 
 def reshard(x, src, dst, global_shape, *, dtype=None, method: str = "broadcast",
-            balance: str = "lpt", backend: str | None = None, **kwargs):
+            balance: str = "lpt", backend: str | None = None, async_op: bool = False,
+            **kwargs):
     """Move this process's tile ``x`` of a ``global_shape`` array laid out as ``src``
     to the layout ``dst``; returns this process's destination tile as a new JAX array
     (None outside the destination mesh; eagerly, or an empty array of shape (0,) under
     ``jit``). ``x`` is None (eager) outside the source mesh: pass ``dtype``.
     ``src``/``dst``: Layouts or NamedShardings. Other keywords as
-    :func:`mcrdl_core.reshard`. Every process calls it."""
+    :func:`mcrdl_core.reshard`. Every process calls it. ``async_op=True``: every transfer
+    is posted now and a :class:`~mcrdl_jax.Handle` returned; ``mcrdl_jax.wait`` gives the
+    tile (eager and under jit, as the other non-blocking calls: docs/jax.md)."""
     from . import eager, host
 
     src_l, dst_l = _as_layout(src, "src"), _as_layout(dst, "dst")
@@ -94,6 +97,10 @@ def reshard(x, src, dst, global_shape, *, dtype=None, method: str = "broadcast",
 
     from . import traced  # the package's rule: any active trace takes the traced path
 
+    if async_op:
+        return _reshard_async(x, traced(x) if x is not None else False, shape, np_dt, src_l,
+                              dst_l, out_shape, call)
+
     if x is not None and traced(x):
         from .callback import host_call
 
@@ -108,3 +115,37 @@ def reshard(x, src, dst, global_shape, *, dtype=None, method: str = "broadcast",
     local = None if x is None else host.view(x)
     out = run(local)
     return None if out is None else eager.to_jax(out)
+
+
+def _reshard_async(x, is_traced, shape, np_dt, src_l, dst_l, out_shape, call):
+    """``reshard(..., async_op=True)``: the core's reshard with every stage issued now (in
+    plan order, on every rank) and its waits left to the handle's wait."""
+    from . import eager, host
+    from . import nonblocking as nb
+
+    rank = _core.get_rank()
+    src_in = src_l.tile(shape, rank) is not None
+
+    def start(local):
+        out = host.empty(out_shape, np_dt) if out_shape is not None else None
+        work, res = _core.reshard(local, src_l, dst_l, shape, out=out, async_op=True, **call)
+        return work, res
+
+    if not is_traced:
+        eager.ready(*([] if x is None else [x]))
+        work, res = start(None if x is None else host.view(x))
+        entry = nb._Entry([work], lambda: [res], (x, res), "reshard")
+        return nb.Handle(nb._register(entry), (), nb._Site("reshard", None, None))
+    from .callback import host_call
+
+    res_shape = out_shape if out_shape is not None else (0,)
+
+    def begin(local):
+        work, res = start(host.copy_of(local) if src_in else None)
+        out = res if res is not None else np.zeros(res_shape, np_dt)
+        return (np.int32(nb._register(nb._Entry([work], lambda: [out], (out,), "reshard"))),)
+
+    (hid,) = host_call(begin, [jax.ShapeDtypeStruct((), np.int32)], jax.lax.stop_gradient(x),
+                       what="start of reshard")
+    return nb.Handle(hid, (), nb._Site("reshard", [jax.ShapeDtypeStruct(res_shape, np_dt)],
+                                       None))

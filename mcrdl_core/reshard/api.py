@@ -123,7 +123,8 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
             plan: Plan | None = None, dtype=None, method: str = "broadcast",
             balance: str = "lpt", order: str = "rounds", backend: str | None = None,
             out=None, hosts="auto", link: LinkModel | None = None, check: bool = True,
-            chain: bool | None = None, segment: int | None = None, overlap: bool = True):
+            chain: bool | None = None, segment: int | None = None, overlap: bool = True,
+            async_op: bool = False):
     """Move a tensor laid out as ``src`` to the layout ``dst`` (possibly on other ranks).
 
     ``local``: this rank's source tile (any DLPack array; None on ranks outside the
@@ -135,7 +136,10 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
     ``chain``/``segment`` (bytes): the segmented chain broadcast (default: over Gloo, and
     between hosts from 64 KiB; see ``execute.py``); ``overlap``: post a rank's sends and
     final receives of all rounds at once and wait at the end (default), or wait for each
-    transfer before the next (``False``). Every rank of the world calls it."""
+    transfer before the next (``False``). ``async_op=True``: every stage is issued now, in
+    plan order, and ``(work, result)`` is returned, the result filled in once
+    ``work.wait()`` returns (work None where nothing is left in flight). Every rank of the
+    world calls it."""
     rt = get_runtime()
     rank = rt.rank
     buf = None if local is None else as_buffer(local)
@@ -196,10 +200,10 @@ def reshard(local, src: Layout | None = None, dst: Layout | None = None, global_
             plan.cache[key] = True
     if src_box is None and dst_box is None:
         _ex.register_groups(plan, chain, backend)
-        return None
+        return (None, None) if async_op else None
     if log.isEnabledFor(logging.DEBUG):
         log.debug("rank %d: %s", rank, plan.summary())
-    _ex.run(plan, rank, src_arr, out_arr, backend, chain, segment, overlap)
-    if out is not None:
-        return out
-    return out_arr
+    work = _ex.run(plan, rank, src_arr, out_arr, backend, chain, segment, overlap,
+                   finish=not async_op)
+    res = out if out is not None else out_arr
+    return (work, res) if async_op else res

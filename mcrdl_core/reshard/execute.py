@@ -49,6 +49,7 @@ from ..memory.buffer import as_buffer
 from ..base.errors import InvalidArgumentError
 from ..base.ops import Op
 from ..dispatch.runtime import get_runtime
+from ..engine.work import Work
 from .linkmodel import chain_segment
 from .plan import Plan
 
@@ -206,7 +207,7 @@ class _Ctx:
 
 
 def run(plan: Plan, rank: int, src_arr, out_arr, backend: str | None, chain: bool | None,
-        segment: int | None, overlap: bool = True) -> None:
+        segment: int | None, overlap: bool = True, finish: bool = True):
     """Execute ``plan`` on ``rank``: ``src_arr`` is its source tile (None if it holds
     none), ``out_arr`` its destination tile, written here (None if it receives none).
 
@@ -216,7 +217,8 @@ def run(plan: Plan, rank: int, src_arr, out_arr, backend: str | None, chain: boo
     those of earlier rounds to finish; relays in a chain, broadcasts on
     sub-communicators and the all-gathers run in round order as they come, the other
     work progressing meanwhile. ``False``: every transfer is waited for before the
-    next one (rounds one after the other on each rank)."""
+    next one (rounds one after the other on each rank). ``finish=False`` (an async
+    reshard): returns a :class:`ReshardWork` over what is still posted instead of waiting."""
     segment = segment or _config.get("MCRDL_RESHARD_SEGMENT")
     if segment is not None and int(segment) < 1:
         raise InvalidArgumentError(f"segment={segment}: chain segments need >= 1 byte")
@@ -235,7 +237,24 @@ def run(plan: Plan, rank: int, src_arr, out_arr, backend: str | None, chain: boo
             _chain(ctx, t)
         else:
             _broadcast(ctx, t)
+    if not finish:
+        return ReshardWork(ctx)
     ctx.finish()
+    return None
+
+
+class ReshardWork(Work):
+    """The transfers an async reshard left posted (every stage was issued in plan order
+    by ``run``): done when all of them are; its finalizer unpacks the boxes received
+    through temporaries. Polled, like any work, by the progress loop of a wait."""
+
+    def __init__(self, ctx: _Ctx):
+        super().__init__("reshard", Op.BROADCAST, None, finalize=ctx.finish, desc="reshard")
+        self.parts = [w for works, _, _ in ctx.pending for w in works if w is not None]
+        self.keep = (ctx,)
+
+    def poll(self) -> bool:
+        return all(w.test() for w in self.parts)
 
 
 def chained(plan: Plan, t, chain: bool | None, backend: str | None) -> bool:
