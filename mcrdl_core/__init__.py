@@ -23,6 +23,15 @@ from .dispatch.p2p import P2POp, batch_isend_irecv
 from .tools.stragglers import stale_ranks, stragglers
 from .engine.work import CompletedWork, Work
 from .observe.observer import Observer
+from .observe.recorder import dump as _dump
+
+def dump_trace(path: str | None = None) -> str | None:
+    """Write this rank's flight-recorder dump now (``rank-N.json`` in MCRDL_TRACE_DIR,
+    default ``$TMPDIR/mcrdl-trace-JOB``, or ``path``); returns its path, None where the
+    recorder is off (``MCRDL_TRACE_ENTRIES=0``) or no runtime exists yet. Sends nothing:
+    each rank calls it on its own (``mcrdl trace DIR`` reads them together)."""
+    return _dump("dump_trace()", path)
+
 
 __version__ = "0.1.0"
 

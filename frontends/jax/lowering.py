@@ -26,6 +26,7 @@ import numpy as np
 import mcrdl_core as _core
 from mcrdl_core.base import config as _config
 from mcrdl_core.observe import debug as _debug
+from mcrdl_core.observe import recorder as _rec
 from mcrdl_core import dtypes as _dt
 from mcrdl_core.dispatch import fastpath as _fast
 from mcrdl_core.dispatch import validate as _v
@@ -54,14 +55,18 @@ def _probe(x) -> Buffer:
 
 
 def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, check=True,
-           counts=None):
+           counts=None, host_side=False):
     """(group, backend name, reduce op) for a traced call: the same checks and selection
     as an eager call, and in debug mode the cross-rank signature check (collectives),
     once now, at trace time, and again each time the program runs, in program order
-    just before the call (``_debug_at_run_time``). ``root``: (global rank, argument
+    just before the call (``_debug_at_run_time``). A call lowered to mpi4jax is
+    recorded by the flight recorder now, once (``host_side``: it runs in the host
+    callback instead, whose core call is recorded at each run). ``root``: (global rank, argument
     name) of a rooted op."""
     probe = _probe(x)
     rt, g, be, reduce_op = prepare(op, group, probe, backend, reduce_op, nbytes)
+    if _rec.ON and _via_mpi4jax(be.name) and not (counts or host_side):
+        _record_lowered(rt, op, g, probe, backend, reduce_op, nbytes, root)
     if rt.observed and check:
         sig = dict(reduce_op=reduce_op, root=None if root is None else g.group_rank(*root),
                    # an uneven all-to-all's ranks hold different element counts; its
@@ -72,6 +77,16 @@ def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, chec
         rt.before(g, op, be, probe, **sig)
         _debug_at_run_time(rt, g, op, be, probe, sig)
     return g, be.name, reduce_op
+
+
+def _record_lowered(rt, op, g, probe, backend, reduce_op, nbytes, root) -> None:
+    """The flight recorder's entry of a call lowered to mpi4jax's primitive (state
+    "lowered", once per trace: its runs happen inside XLA, where MCR-DL sees none of
+    them; calls through the host callback are recorded at each run by the core)."""
+    rule = rt.select(op, g, probe, backend, reduce_op, nbytes, why=True)[1]
+    extra = {"root": g.group_rank(*root)} if root is not None else None
+    _rec.lowered(_rec.describe(g, op, probe.dtype, "mpi", "mpi4jax", None, rule),
+                 probe.numel, extra)
 
 
 def _debug_at_run_time(rt, g, op, be, probe, sig) -> None:
@@ -143,7 +158,8 @@ def _compressed(op: Op, x, compression, reduce_op=None) -> bool:
 
 
 def all_reduce(x, op, group, backend, compression=None):
-    g, be, op = _lower(Op.ALL_REDUCE, x, group, backend, op)
+    g, be, op = _lower(Op.ALL_REDUCE, x, group, backend, op,
+                       host_side=compression is not None or _fast.compression_env())
     if not _via_mpi4jax(be) or _compressed(Op.ALL_REDUCE, x, compression, op):
         return _callback(lambda a: (host.all_reduce(a, op, g, be, compression),),
                          [_spec(x.shape, x.dtype)], x, what="all_reduce")
@@ -175,7 +191,8 @@ def broadcast(x, src, group, backend):
 
 def all_gather(x, group, backend, compression=None):
     """Stacked, shape (n, *x.shape); the public function tiles."""
-    g, be, _ = _lower(Op.ALL_GATHER, x, group, backend)
+    g, be, _ = _lower(Op.ALL_GATHER, x, group, backend,
+                      host_side=compression is not None or _fast.compression_env())
     if not _via_mpi4jax(be) or _compressed(Op.ALL_GATHER, x, compression):
         return _callback(lambda a: (host.all_gather(a, g, be, compression),),
                          [_spec((g.size, *x.shape), x.dtype)], x, what="all_gather")
@@ -191,7 +208,7 @@ def reduce_scatter(x, op, group, backend, compression=None):
     k = leading_blocks(x, _core.get_runtime().group(group).size, "reduce_scatter")
     block = k * int(np.prod(x.shape[1:], dtype=np.int64))
     g, be, op = _lower(Op.REDUCE_SCATTER, x, group, backend, op,
-                       nbytes=block * x.dtype.itemsize)
+                       nbytes=block * x.dtype.itemsize, host_side=True)
     if compression is not None or _fast.compression_env():
         _compressed(Op.REDUCE_SCATTER, x, compression, op)  # its refusals, at trace time
     return _callback(lambda a: (host.reduce_scatter(a, op, g, be, compression),),
@@ -213,7 +230,7 @@ def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=Non
         k = leading_blocks(x, n, "all_to_all")
         rows = x.shape[0]
     g, be, _ = _lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
-                      counts=counts)
+                      counts=counts, host_side=compression is not None or _fast.compression_env())
     if uneven or not _via_mpi4jax(be) or _compressed(Op.ALL_TO_ALL, x, compression):
         # uneven splits are host-side work on every backend (mpi4jax has no alltoallv),
         # and so are compressed ones (the core's codec in the callback)
@@ -262,7 +279,7 @@ def send(x, dst, group, tag, backend):
 
 
 def recv(like, src, group, tag, backend):
-    g, be, _ = _lower(Op.RECV, like, group, backend, check=False)
+    g, be, _ = _lower(Op.RECV, like, group, backend, check=False, host_side=src is None)
     if src is None or not _via_mpi4jax(be):  # any-source: host side on every backend
         return _callback(lambda: (host.recv(like.shape, like.dtype, src, g, tag, be),),
                          [_spec(like.shape, like.dtype)], what="recv")

@@ -42,14 +42,21 @@ def _float(text: str) -> float:
     return value
 
 
-def _int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError("an integer") from None
-    if value < 1:
-        raise ValueError("an integer >= 1")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An integer parser that accepts ``minimum`` and above."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("an integer") from None
+        if value < minimum:
+            raise ValueError(f"an integer >= {minimum}")
+        return value
+    return parse
+
+
+_int = _at_least(1)
+_count = _at_least(0)
 
 
 def _choice(*names: str) -> Callable[[str], str]:
@@ -127,6 +134,15 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "under `jax.jit`, MPI calls lower to mpi4jax's primitives, which block inside MPI "
         "with no timeout; off: they run in MCR-DL's host callback, under `MCRDL_TIMEOUT` "
         "with its diagnostics", _bool),
+    Var("MCRDL_TRACE_ENTRIES", "int >= 0", 4096, "`4096`",
+        "calls the flight recorder keeps per process (a ring; `0` turns it off) and dumps "
+        "on a fault ([docs/reliability.md](docs/reliability.md))", _count),
+    Var("MCRDL_TRACE_DIR", "path", None, "`$TMPDIR/mcrdl-trace-JOB`",
+        "where each rank writes its flight-recorder dump (`rank-N.json`), read by "
+        "`mcrdl trace DIR`"),
+    Var("MCRDL_TRACE_STACK", "bool", False, "off",
+        "the flight recorder also keeps the calling Python frame of each call (costs a "
+        "few µs a call; general path only)", _bool),
     Var("MCRDL_EXIT_GUARD", "bool", True, "on",
         "after a fault, leave by `os._exit` instead of a normal exit that can hang in "
         "`MPI_Finalize`", _bool),

@@ -34,9 +34,10 @@ inside the pipeline as MCR-DL's one addition.
 from __future__ import annotations
 
 import functools
+from time import perf_counter as _now
 
-from ..base import exact as _exact
 from ..base.ops import Op, ReduceOp
+from ..observe import recorder as _rec
 from . import fastpath as _fast
 from . import hooks as _hooks
 from . import selection as _selection
@@ -125,11 +126,7 @@ def compression_for(compression, op, rt, g, backend, buf, reduce_op=None):
     and None too where an ``auto:`` spec keeps the backend's own collective."""
     if compression is None and not _fast.compression_env():
         return None
-    if _exact.active():  # mcrdl_core.exact(): no codec (a checkpoint, a state dict)
-        return None
-    t = _hooks.transform("compression")
-    cz = t.resolve(compression, op, buf.dtype, reduce_op)
-    return None if t.keeps_plain(cz, rt, g, op, buf, backend) else cz
+    return _selection.compression_for(compression, op, rt, g, backend, buf, reduce_op)
 
 
 def run(c: Call):
@@ -146,11 +143,20 @@ def run(c: Call):
         if name is not None:
             takeover = functools.partial(c.algorithm, name)
             via = name.partition(":")[0]  # ("hier:mpi": the algorithm is "hier")
-    be = rt.select(c.op, g, c.buf, c.backend, red, c.nbytes)
+    if _rec.ON:
+        be, rule = rt.select(c.op, g, c.buf, c.backend, red, c.nbytes, why=True)
+    else:
+        be = rt.select(c.op, g, c.buf, c.backend, red, c.nbytes)
     if c.compressed is not None:
         cz = compression_for(c.compression, c.op, rt, g, c.backend, c.buf, red)
         if cz is not None:
-            return c.compressed(_hooks.transform("compression"), rt, g, red, sig, cz)
+            if not _rec.ON:
+                return c.compressed(_hooks.transform("compression"), rt, g, red, sig, cz)
+            e = _record(c, g, be, sig, str(cz), "compressed",
+                        f"{rule}; codec by "
+                        f"{'compression=' if c.compression is not None else 'MCRDL_COMPRESSION'}")
+            return _finished(e, c.async_op, c.compressed, _hooks.transform("compression"), rt,
+                             g, red, sig, cz)
     if rt.observed and c.op not in _POINT_TO_POINT:
         if red is not None:
             sig = dict(sig, reduce_op=red)
@@ -160,8 +166,60 @@ def run(c: Call):
             sig = dict(sig, algorithm="takeover")
         rt.before(g, c.op, be, c.buf, **sig)
     if takeover is not None:
-        return takeover(rt, g, red)
+        if not _rec.ON:
+            return takeover(rt, g, red)
+        if via is not None and c.via is None:  # the table named the algorithm
+            rule = _selection.table_why(rt, c.op, g, c.buf.device, c.buf.dtype,
+                                        c.buf.nbytes if c.nbytes == -1 else c.nbytes)[1]
+            rule += f": algorithm {via!r}"
+        e = _record(c, g, be, sig, None, via or "takeover", rule)
+        return _finished(e, c.async_op, takeover, rt, g, red)
     spans = rt.order(reads=c.reads, writes=c.writes, keep=c.async_op)
-    work = c.issue(be, g, red, sig)
-    done = rt.finish(work, spans, c.async_op, c.log_bytes)
+    if not _rec.ON:
+        work = c.issue(be, g, red, sig)
+        done = rt.finish(work, spans, c.async_op, c.log_bytes)
+        return work.value if c.value and not c.async_op else done
+    e = _record(c, g, be, sig, None, None, rule)
+    try:
+        work = c.issue(be, g, red, sig)
+        if c.async_op:
+            e[_rec.OUTCOME] = work
+        done = rt.finish(work, spans, c.async_op, c.log_bytes)
+    except BaseException as exc:
+        e[_rec.OUTCOME] = exc
+        raise
+    if not c.async_op:
+        e[_rec.T_END] = _now()
     return work.value if c.value and not c.async_op else done
+
+
+def _record(c: Call, g, be, sig, codec, algorithm, rule) -> list:
+    """The flight recorder's entry of a call about to be issued (``observe/recorder``):
+    its static part, its element count and signature (root, peer, split counts)."""
+    desc = _rec.describe(g, c.op, c.buf.dtype, be.name, algorithm, codec, rule, c.async_op)
+    extra = {k: v for k, v in sig.items() if v is not None and k in _SIG_KEYS}
+    red = c.reduce_op if c.reduce_op is None else ReduceOp.coerce(c.reduce_op)
+    if red is not None:
+        extra["reduce_op"] = red.value
+    extra = extra or None
+    if extra and "counts" in extra:
+        extra["counts"] = [list(map(int, x)) for x in extra["counts"]]
+    return _rec.call(desc, c.buf.numel, extra)
+
+
+def _finished(e, async_op, fn, *args):
+    """``fn(*args)`` (a transform running the call), its outcome put in entry ``e``."""
+    try:
+        done = fn(*args)
+    except BaseException as exc:
+        e[_rec.OUTCOME] = exc
+        raise
+    if async_op:
+        e[_rec.OUTCOME] = done
+    else:
+        e[_rec.T_END] = _now()
+    return done
+
+
+#: the parts of a call's signature an entry keeps
+_SIG_KEYS = ("root", "peer", "counts")

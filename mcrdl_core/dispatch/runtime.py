@@ -22,6 +22,7 @@ from ..base.errors import (BackendUnavailableError, BrokenGroupError, CommFailed
 from ..engine import faults as _faults
 from ..engine.progress import engine as _engine
 from ..engine.work import conflicts as _conflicts
+from ..observe import recorder as _recorder
 from ..observe.logger import logger as comm_logger
 from ..world import bootstrap as _bootstrap
 from ..world.backend import REGISTRY, backend_class
@@ -67,11 +68,13 @@ class Runtime:
         self._backends: dict = {}
         self._unavailable: dict = {}
         self.choices: dict = {}  # memoized selections (and the fast path's plans)
+        self.rules: dict = {}  # the rule of each selection (select(why=True))
         self._caches: dict = {}  # name -> a cache of a module, per runtime (cache())
         self.logger = comm_logger()
         self.alive = True
         self.unusable = None  # why calls are refused: "destroyed" or "broken" (check_alive)
         self.connect(self.world)
+        _recorder.attach(self)
 
     # --- observers ----------------------------------------------------------------------
     def watch(self, observer, name: str | None = None) -> None:
@@ -143,10 +146,12 @@ class Runtime:
         """Replace the MCRDL_BACKEND override ('mpi' or 'op=backend,...', or a dict)."""
         self.override = parse_override(spec) if isinstance(spec, str) or spec is None else dict(spec)
         self.choices.clear()
+        self.rules.clear()
 
     def set_table(self, table: TuningTable | str | None) -> None:
         self.table = TuningTable.load(table) if isinstance(table, str) else table
         self.choices.clear()
+        self.rules.clear()
 
     def cache(self, name: str) -> dict:
         """A dict of this runtime's, for a module's memo of things that hold only within
@@ -179,13 +184,27 @@ class Runtime:
         return self.table is not None and self.named_backend(op, group, backend) is None
 
     def select(self, op, group: Group, buf, backend: str | None, reduce_op=None,
-               nbytes: int | None = -1):
+               nbytes: int | None = -1, why: bool = False):
         """The Backend instance for one call (explicit > MCRDL_BACKEND > table > policy),
-        memoized here; ``selection.decide`` makes each new choice."""
+        memoized here; ``selection.decide`` makes each new choice. ``why``: return
+        (instance, the rule that chose it: ``selection.decide_why``), memoized alike."""
         if nbytes == -1:
             nbytes = buf.nbytes
+        requested = backend
         if backend is None:
             backend = group.backend  # new_group(..., backend=) / init(backend=) default
+        if why:
+            be = self.select(op, group, buf, requested, reduce_op, nbytes)
+            key = (requested is None, group.id, backend, op, buf.device.kind, buf.dtype,
+                   reduce_op, nbytes if self.table_decides(op, group, backend) else None)
+            rule = self.rules.get(key)
+            if rule is None:
+                rule = _selection.decide_why(self, op, group, buf.device, buf.dtype, reduce_op,
+                                             backend, nbytes, requested)[1]
+                if len(self.rules) > 65536:
+                    self.rules.clear()
+                self.rules[key] = rule
+            return be, rule
         device, dtype = buf.device, buf.dtype
         # memo: explicit and policy choices by (backend, op, device, dtype, reduce op);
         # table choices also by group (its size and hosts) and message size (bounded)
@@ -200,6 +219,12 @@ class Runtime:
             self.choices.clear()
         self.choices[key] = be
         return be
+
+    def explain(self, op, buffer, group=None, backend: str | None = None, reduce_op=None,
+                compression=None) -> dict:
+        """What a call would get, and why, without sending anything: ``{"backend",
+        "algorithm", "codec", "rule", "table"}`` (``selection.explain`` says more)."""
+        return _selection.explain(self, op, buffer, group, backend, reduce_op, compression)
 
     # --- groups -------------------------------------------------------------------------
     def new_group(self, ranks=None, name: str | None = None, backend: str | None = None,

@@ -81,8 +81,13 @@ import socket
 from importlib import metadata
 
 from ..base import config as _config
+from ..base import exact as _exact
 from ..base.dtypes import dtype_class
-from ..base.errors import TableError, UnsupportedError
+from ..base.errors import InvalidArgumentError, TableError, UnsupportedError
+from ..base.ops import Op, ReduceOp
+from ..memory.buffer import as_buffer
+from . import hooks as _hooks
+from . import validate as _v
 
 log = logging.getLogger("mcrdl.selection")
 
@@ -101,6 +106,61 @@ def decide(rt, op, group, device, dtype, reduce_op, backend, nbytes):
     the backends that can, where it cannot run the call), else the tuning table's for
     this op, group, dtype class and size where it can, else the first of the policy
     that can. ``Runtime.select`` memoizes what this returns."""
+    return decide_why(rt, op, group, device, dtype, reduce_op, backend, nbytes)[0]
+
+
+def named_why(rt, op, group, requested) -> str | None:
+    """Which rule named the backend of a call whose ``backend=`` was ``requested``
+    (before the group's default replaced None), as ``Runtime.named_backend`` decides:
+    the call, the group's default, MCRDL_BACKEND; None where nobody named one."""
+    if requested not in (None, "auto"):
+        return f"explicit: backend={requested!r}"
+    if requested is None and group.backend not in (None, "auto"):
+        return f"group default: backend={group.backend!r} of {group.describe()}"
+    if op.value in rt.override:
+        return f"MCRDL_BACKEND: {op.value}={rt.override[op.value]}"
+    if "*" in rt.override:
+        return f"MCRDL_BACKEND={rt.override['*']}"
+    return None
+
+
+def table_range(table, op: str, world_size: int, device: str, dtype_class: str,
+                nbytes, hosts: int = 1):
+    """Where a tuning table's lookup lands: (entry, lo, hi or None, name the table gives
+    there, or None where its verification lost there) with ``entry`` a short text of
+    the entry's key; None where it has no entry or the size is past its last range."""
+    hit = _either_class(table.index, op, world_size, hosts, device, dtype_class)
+    if hit is None:
+        return None
+    bounds, names = hit
+    i = len(names) - 1 if nbytes is None else bisect.bisect_left(bounds, nbytes)
+    if i >= len(names):
+        return None
+    lo = 0 if i == 0 else int(bounds[i - 1]) + 1
+    hi = None if bounds[i] == float("inf") else int(bounds[i])
+    entry = (f"{op} {world_size} ranks {hosts} host{'s' if hosts > 1 else ''} {device} "
+             f"{dtype_class}")
+    return entry, lo, hi, names[i]
+
+
+def table_why(rt, op, group, device, dtype, nbytes) -> tuple:
+    """(name the tuning table gives the call or None, text of its entry and range)."""
+    where = table_range(rt.table, op.value, group.size, device.kind, dtype_class(dtype),
+                        nbytes, rt.bootstrap.hosts_in(group.ranks))
+    if where is None:
+        return None, f"table {rt.table.path} has no range for {op.value} at {group.size} ranks"
+    entry, lo, hi, name = where
+    text = f"table {rt.table.path}: {entry}, range {fmt_bytes(lo)}-{fmt_bytes(hi)}"
+    if name is None:
+        return None, text + " (not used: its verification lost there)"
+    return name, text
+
+
+def decide_why(rt, op, group, device, dtype, reduce_op, backend, nbytes, requested=-1):
+    """``decide``'s Backend instance and the rule that chose it, as one line:
+    ``explicit``, ``group default``, ``MCRDL_BACKEND``, ``table`` (its file, entry and
+    range) or ``policy`` (and why the table did not decide, where there is one).
+    ``requested``: the call's own ``backend=`` (-1: the same as ``backend``)."""
     name = rt.named_backend(op, group, backend)
     if name is not None:
         be = rt.backend(name)
@@ -108,20 +168,98 @@ def decide(rt, op, group, device, dtype, reduce_op, backend, nbytes):
         if reason:
             raise UnsupportedError(f"{reason}. Backends that can: "
                                    f"{capable(rt, op, device, dtype, reduce_op)}")
-        return be
+        why = named_why(rt, op, group, backend if requested == -1 else requested)
+        return be, why or f"explicit: backend={name!r}"
+    note = ""
     if rt.table is not None:
-        hit = rt.table.lookup(op.value, group.size, device.kind, dtype_class(dtype), nbytes,
-                              rt.bootstrap.hosts_in(group.ranks))
+        hit, text = table_why(rt, op, group, device, dtype, nbytes)
         if hit is not None and not is_algorithm(hit) and runnable(rt, hit, op, device, dtype,
                                                                   reduce_op):
-            return rt.backend(hit)
+            return rt.backend(hit), text
+        note = (f" ({text}: {hit!r} cannot run this call here)" if hit is not None
+                and not is_algorithm(hit) else f" ({text})" if hit is None else
+                f" ({text}: algorithm {hit!r})")
     names = capable(rt, op, device, dtype, reduce_op)
     if not names:
         raise UnsupportedError(
             f"no available backend can do {op} on {dtype.name} {device.kind} buffers"
             f"{f' with {reduce_op.name}' if reduce_op else ''}; availability: "
             f"{rt.available_backends()}")
-    return rt.backend(names[0])
+    return rt.backend(names[0]), (f"policy: {device.kind} buffers prefer "
+                                  f"{', '.join(POLICY.get(device.kind, ()))}; {names[0]} is the "
+                                  f"first that can run it here{note}")
+
+
+def compression_for(compression, op, rt, g, backend, buf, reduce_op=None):
+    """The compression allowed for a call (``compression=``, then MCRDL_COMPRESSION),
+    checked against its dtype and reduce op; None also where an ``auto:`` spec keeps the
+    backend's own collective (``pipeline.compression_for`` is this, after its cheaper
+    test of the variable)."""
+    if compression is None and not _config.is_set("MCRDL_COMPRESSION"):
+        return None
+    if _exact.active():  # mcrdl_core.exact(): no codec (a checkpoint, a state dict)
+        return None
+    t = _hooks.transform("compression")
+    cz = t.resolve(compression, op, buf.dtype, reduce_op)
+    return None if t.keeps_plain(cz, rt, g, op, buf, backend) else cz
+
+
+_REDUCING = (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER)
+_CODECS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL)
+
+
+def explain(rt, op, buffer, group=None, backend=None, reduce_op=None, compression=None):
+    """``Runtime.explain``: the backend, algorithm and codec a call would get and the
+    rule that chose them, without sending anything: ``{"op", "group", "bytes",
+    "backend", "algorithm", "codec", "rule", "table"}``, ``table`` being where the
+    tuning table's lookup lands (``path``, ``entry``, ``range`` [lo, hi or None] in
+    bytes, the ``name`` it gives there, whether it ``decides`` the call) or None.
+    ``op``: an Op or its name; ``buffer``: what the call would be given (its dtype,
+    device and size decide; all_gather's input, reduce_scatter's output, as selection
+    sizes them); ``reduce_op`` defaults to SUM for reductions. Raises what the call
+    would raise where the named backend cannot run it."""
+    try:
+        op = op if isinstance(op, Op) else Op(op)
+    except ValueError:
+        raise InvalidArgumentError(f"explain: unknown op {op!r}; one of "
+                                   f"{[o.value for o in Op]}") from None
+    buf = as_buffer(buffer)
+    g = rt.group(group)
+    if reduce_op is None and op in _REDUCING:
+        reduce_op = ReduceOp.SUM
+    red = None if reduce_op is None else ReduceOp.coerce(reduce_op)
+    if red is not None:
+        _v.reduce_op(red, buf.dtype)
+    hier = str(backend).partition(":")[0] == "hier"
+    request = (backend.partition(":")[2] or None) if hier else backend
+    be, rule = rt.select(op, g, buf, request, red, why=True)
+    out = {"op": op.value, "group": g.describe(), "bytes": buf.nbytes, "backend": be.name,
+           "algorithm": None, "codec": None, "rule": rule, "table": None}
+    if hier:
+        out["algorithm"] = "hier"
+        out["rule"] = (f"explicit: backend={backend!r} (the two-level algorithm; its steps "
+                       f"choose their own backends: {rule})")
+    name = algorithm(rt, op, g, buf, backend, reduce_op=red)
+    if name is not None and op in (Op.ALL_REDUCE, Op.ALL_TO_ALL):
+        out["algorithm"] = name
+        out["rule"] = table_why(rt, op, g, buf.device, buf.dtype, buf.nbytes)[1] + \
+            f": algorithm {name!r}"
+    if rt.table is not None:
+        where = table_range(rt.table, op.value, g.size, buf.device.kind,
+                            dtype_class(buf.dtype), buf.nbytes,
+                            rt.bootstrap.hosts_in(g.ranks))
+        if where is not None:
+            entry, lo, hi, tname = where
+            out["table"] = {"path": rt.table.path, "entry": entry, "range": [lo, hi],
+                            "name": tname, "decides": rt.table_decides(op, g, backend)}
+    if op in _CODECS:
+        cz = compression_for(compression, op, rt, g, backend, buf, red)
+        if cz is not None:
+            out["codec"] = str(cz)
+            out["rule"] += (f"; codec {cz} by "
+                            + ("compression=" if compression is not None
+                               else "MCRDL_COMPRESSION"))
+    return out
 
 
 def is_algorithm(name: str) -> bool:

@@ -82,9 +82,35 @@ _abandoned: list = []  # timed-out works: their buffers stay alive (a late peer 
 _state = {"guard": False, "uncaught": False, "mpi_world": False}
 
 
+#: called with each fault's error as it is recorded, before it is raised (the flight
+#: recorder dumps, and names its dump in the error's message: ``observe/recorder.py``)
+fault_hooks: list = []
+#: called at exit with (whether this rank had a fault, the reason), before the exit
+#: guard acts, and before an uncaught exception ends the MPI job
+exit_hooks: list = []
+
+
 def _record(error: BaseException) -> None:
     if len(_faults) < 16:
         _faults.append(error)
+    for hook in fault_hooks:
+        try:
+            hook(error)
+        except Exception:  # an observer of faults must not replace the fault
+            log.debug("fault hook %r failed", hook, exc_info=True)
+
+
+def recorded() -> list:
+    """The faults recorded in this process (the first 16)."""
+    return list(_faults)
+
+
+def _exit_hooks(fault: bool, reason: str) -> None:
+    for hook in exit_hooks:
+        try:
+            hook(fault, reason)
+        except Exception:  # the exit goes on
+            log.debug("exit hook %r failed", hook, exc_info=True)
 
 
 def timed_out(works, error: BaseException) -> None:
@@ -165,6 +191,12 @@ def install_exit_guard(mpi_world: bool = False) -> None:
     def hook(*exc_info):
         _state["uncaught"] = True
         previous(*exc_info)
+        # a dump where the job is ended for it, or a fault of MCR-DL's own (a plain
+        # script's KeyError leaves no files behind)
+        kind = exc_info[0]
+        _exit_hooks(bool(_faults) or _state["mpi_world"] or
+                    (isinstance(kind, type) and issubclass(kind, McrdlError)),
+                    f"uncaught {getattr(kind, '__name__', kind)}")
         _abort_job(exc_info[0])
 
     sys.excepthook = hook
@@ -260,13 +292,18 @@ def _finish_unwaited(limit_s: float) -> None:
 
 def _at_exit() -> None:
     if not _config.get("MCRDL_EXIT_GUARD"):
+        if _faults and not _state["uncaught"]:
+            _exit_hooks(True, "exit after a fault")
         return
     _finish_unwaited(GRACE_S)
     mpi = _mpi_initialized() and _state["mpi_world"]
     if not _faults:
         if mpi:  # the peers with a fault wait for this rank here (see the module doc)
             _exit_barrier(2 * GRACE_S + 1.0)
+        _exit_hooks(False, "exit")  # (a peer that dumped meanwhile: dump too)
         return
+    if not _state["uncaught"]:  # (an uncaught one dumped in the hook above)
+        _exit_hooks(True, "exit after a fault")
     alive = _join([t for t in _stuck_threads if t.is_alive()], GRACE_S)
     if not alive and not mpi:
         return

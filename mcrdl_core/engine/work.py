@@ -10,6 +10,7 @@ threads ever poll one library request at once.
 """
 from __future__ import annotations
 
+from time import perf_counter as _now
 from typing import Callable
 
 from .progress import engine as _engine
@@ -99,6 +100,7 @@ class Work:
                 error = exc
         self.error = error
         self.keep = ()  # the library is done with the buffers: let them go
+        self.t_done = _now()  # (the flight recorder's end of an async call)
         self.done = True
         if self.engine is not None:
             self.engine.discard(self)

@@ -41,6 +41,8 @@ class Group:
         self.timeout: float | None = None  # waits that pass none use it (a torch group's
         # timeout=); None: the runtime's (MCRDL_TIMEOUT)
         self.seq = 0  # compressed calls made on the group: every member counts alike
+        self.trace_seq = 0  # collectives the flight recorder saw (observe/recorder.py)
+        self.trace_p2p = 0  # its sends and receives on the group
         self.tag_slots: dict = {}  # tag slot -> the call in flight on it (mcrdl_core.base.tags)
 
     def next_seq(self) -> int:

@@ -1,0 +1,88 @@
+"""A job of faults for the flight recorder (tests/test_trace_faults.py launches it):
+
+    mpiexec -n 3 -disable-auto-cleanup python tests/trace_job.py BACKEND KIND [KIND ...]
+
+Each KIND is one fault, on a group of all ranks of its own (made up front, so a fault
+breaks only its group), after two calls that complete: its dumps go to
+``$TRACE_BASE/KIND`` (MCRDL_TRACE_DIR is set per phase, and the ring emptied, as if each
+phase were a job of its own). The ranks meet on mpi4py's COMM_WORLD between phases.
+Kinds: missing (rank 1 skips an all-reduce and waits in a barrier on another group),
+ops (rank 1 calls all_gather_into_tensor where the others all_reduce), sizes (rank 2
+all-reduces 8 elements, the others 4), backends (rank 2 on the other backend), codecs
+(rank 0 int8, the others fp16, on MPI), slow (rank 2 arrives 2 x MCRDL_TIMEOUT late), killed
+(rank 2 kills itself before the all-reduce; must be last). Each rank prints ``PHASE
+KIND rank R: OUTCOME``.
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mcrdl_core as core
+from mcrdl_core.observe import recorder
+
+BACKEND, KINDS = sys.argv[1], sys.argv[2:]
+OTHER = "gloo" if BACKEND == "mpi" else "mpi"
+BASE = os.environ["TRACE_BASE"]
+T = float(os.environ.get("MCRDL_TIMEOUT", "2"))
+
+rt = core.init()
+rank = rt.rank
+groups = {k: core.new_group(backend=BACKEND) for k in KINDS}
+side = core.new_group(backend=BACKEND)  # the missing call's rank waits here
+world = MPI.COMM_WORLD
+
+
+def fault(kind: str, g) -> None:
+    x = np.full(1024 if kind == "codecs" else 4, rank + 1.0, np.float32)
+    core.all_reduce(x, group=g)  # two calls that complete
+    core.all_reduce(x, group=g, backend=OTHER)
+    if kind == "missing":
+        if rank == 1:
+            core.barrier(group=side)
+        else:
+            core.all_reduce(x, group=g)
+    elif kind == "ops":
+        if rank == 1:
+            core.all_gather_into_tensor(np.zeros(4 * rt.world_size, np.float32), x, group=g)
+        else:
+            core.all_reduce(x, group=g)
+    elif kind == "sizes":
+        core.all_reduce(np.ones(8 if rank == 2 else 4, np.float32), group=g)
+    elif kind == "backends":
+        core.all_reduce(x, group=g, backend=OTHER if rank == 2 else BACKEND)
+    elif kind == "codecs":
+        # (on MPI: a compressed ring's messages of two sizes fail there, where Gloo's
+        # transport aborts the process, gloo::EnforceNotMet, and no dump is written)
+        core.all_reduce(x, group=g, compression="int8" if rank == 0 else "fp16", backend="mpi")
+    elif kind == "slow":
+        if rank == 2:
+            time.sleep(2 * T + 1)
+        core.all_reduce(x, group=g)
+    elif kind == "killed":
+        if rank == 2:
+            world.Barrier()  # (the others' last meeting; then it dies)
+            os.kill(os.getpid(), signal.SIGKILL)
+        world.Barrier()
+        core.all_reduce(x, group=g)
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+
+
+for kind in KINDS:
+    os.environ["MCRDL_TRACE_DIR"] = os.path.join(BASE, kind)
+    recorder.ring.clear()
+    try:
+        fault(kind, groups[kind])
+        outcome = "ok"
+    except core.McrdlError as exc:
+        outcome = f"{type(exc).__name__}: {str(exc)[:160]}"
+    print(f"PHASE {kind} rank {rank}: {outcome}", flush=True)
+    if kind != "killed":
+        req = world.Ibarrier()  # the slow rank's phase ends later than the others'
+        deadline = time.monotonic() + 4 * T + 10
+        while not req.Test() and time.monotonic() < deadline:
+            time.sleep(0.01)
