@@ -57,6 +57,7 @@ demo: install
 	mpiexec -n 2 $(VENV)/bin/mcrdl tune --max-bytes 64K
 	mpiexec -n 2 $(VENV)/bin/mcrdl bench --max-bytes 64K --out bench/out
 	mpiexec -n 2 $(VENV)/bin/mcrdl info
+	$(PY) bench/demo_cluster.py
 
 # pytest's exit 5 (no test collected) would reach make's caller as make's own 2; say it here
 test: install

@@ -22,15 +22,31 @@ BIN = Path(sys.executable).parent
 CODECS = "fp16,bf16"  # default of --codecs: what "tuned + codecs" allows, on all_to_all
 
 
-def variants(codecs: str) -> list:
-    """(name, torch backend, pg_options, extra environment, uses the tuning table)."""
+#: the ops whose codecs the "tuned + codecs" variant allows, per app (default: all_to_all,
+#: the exchanges of DLRM and MoE); FSDP moves its weights and gradients by all-gather and
+#: reduce-scatter
+CODEC_OPS = {"fsdp": ("all_gather", "reduce_scatter")}
+_SHORT = {"all_to_all": "a2a", "all_gather": "ag", "reduce_scatter": "rs"}
+
+
+def codec_variant(codecs: str, app: str | None = None) -> tuple:
+    """The tuned variant that allows ``codecs`` (comma-separated) on the app's
+    communication-heavy ops (``CODEC_OPS``): the tuning table's compressed
+    measurements decide where, and which, pays (``auto:``)."""
     allowed = "+".join(c for c in codecs.split(",") if c)
+    ops = CODEC_OPS.get(app, ("all_to_all",))
+    spec = ",".join(f"{op}=auto:{allowed}" for op in ops)
+    return (f"mcrdl: tuned + {'/'.join(_SHORT[op] for op in ops)} {allowed}", "mcrdl", "",
+            {"MCRDL_COMPRESSION": spec}, True)
+
+
+def variants(codecs: str, app: str | None = None) -> list:
+    """(name, torch backend, pg_options, extra environment, uses the tuning table)."""
     return [("gloo (torch)", "gloo", None, {}, False),
             ("mcrdl: mpi", "mcrdl", "mpi", {}, False),
             ("mcrdl: gloo", "mcrdl", "gloo", {}, False),
             ("mcrdl: tuned", "mcrdl", "", {}, True),
-            (f"mcrdl: tuned + a2a {allowed}", "mcrdl", "",
-             {"MCRDL_COMPRESSION": f"all_to_all=auto:{allowed}"}, True),
+            codec_variant(codecs, app),
             ("mcrdl: mpi (A/A)", "mcrdl", "mpi", {}, False)]
 
 
@@ -73,12 +89,15 @@ TUNE_SIZES = ("4", "4K", "64K", "256K", "1M", "2M", "4M", "8M")
 
 def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2,
          codecs: str = CODECS, ops: tuple = ("all_reduce", "all_to_all"),
-         sizes: tuple = TUNE_SIZES, timeout: float = 1200) -> None:
+         sizes: tuple = TUNE_SIZES, timeout: float = 1200, trials_scale: float = 1.0) -> None:
     """``mcrdl tune`` of ``ops`` at the apps' sizes into ``path``, the compressed variants
-    of ``codecs`` measured as candidates (for the "tuned + codecs" variant)."""
+    of ``codecs`` measured as candidates (for the "tuned + codecs" variant);
+    ``trials_scale`` < 1 for a quicker, less certain table."""
     cmd = (launcher(n, cluster, hosts) + [str(BIN / "mcrdl"), "tune", "--ops", *ops,
                                           "--sizes", *sizes]
-           + (["--compression", codecs] if codecs else []) + ["--output", str(path)])
+           + (["--compression", codecs] if codecs else [])
+           + (["--trials-scale", f"{trials_scale:g}"] if trials_scale != 1.0 else [])
+           + ["--output", str(path)])
     print("tuning:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=run_env(str(path)), cwd=ROOT, timeout=timeout,
                    stdout=subprocess.DEVNULL)

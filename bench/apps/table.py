@@ -1,4 +1,5 @@
-"""The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py; DeepSpeed's MoE layer,
+"""The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py; an FSDP2 transformer,
+bench/apps/fsdp.py, with ``--apps fsdp``; DeepSpeed's MoE layer,
 bench/apps/ds_moe.py, with ``--apps ds_moe``; facebookresearch/dlrm's program,
 bench/apps/fb_dlrm.py, with ``--apps fb_dlrm --dlrm CHECKOUT``) on torch's Gloo and on
 MCR-DL's registered backend, samples per second and communication share.
@@ -17,7 +18,9 @@ Per app and rank count it launches (``mpiexec -n N``, the programs unchanged but
 - ``mcrdl: tuned``: no choice given; the tuning table decides per op and size (lossless);
 - ``mcrdl: tuned + a2a fp16+bf16``: the same table, and the job allows the codecs of
   ``--codecs`` on its all-to-alls (``MCRDL_COMPRESSION=all_to_all=auto:fp16+bf16``): the
-  table's compressed all-to-all measurements decide where (and which) pays;
+  table's compressed all-to-all measurements decide where (and which) pays; for
+  ``fsdp`` the codecs are allowed on its all-gathers and reduce-scatters instead
+  (``launching.CODEC_OPS``);
 - ``mcrdl: mpi (A/A)``: forced MPI again, the noise floor;
 - with ``--mixed``: all_to_all on one library, all_reduce on the other (both ways).
 
@@ -67,8 +70,8 @@ REFERENCE = "mcrdl: mpi"
 #: ``--apps``) always runs at a fixed capacity (its default 1.25), in MoE's shapes.
 _COMM = {"dlrm": ["--tables", "26", "--bag", "1", "--bottom", "64", "--top", "64"],
          "moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"],
-         "ds_moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"]}
-SHAPES = {"default": {"dlrm": [], "moe": [], "ds_moe": []},
+         "ds_moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"], "fsdp": []}
+SHAPES = {"default": {"dlrm": [], "moe": [], "ds_moe": [], "fsdp": []},
           "comm": _COMM,
           "comm-cap": {**_COMM, "moe": _COMM["moe"] + ["--capacity-factor", "1.25"]}}
 
@@ -125,8 +128,10 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     p.add_argument("--apps", nargs="+", default=["dlrm", "moe"],
-                   choices=["dlrm", "moe", "ds_moe", "fb_dlrm"],
-                   help="ds_moe: DeepSpeed's MoE layer, unchanged (needs deepspeed); "
+                   choices=["dlrm", "moe", "ds_moe", "fb_dlrm", "fsdp"],
+                   help="fsdp: a small transformer LM sharded with FSDP2 (its codecs on "
+                        "all_gather and reduce_scatter); "
+                        "ds_moe: DeepSpeed's MoE layer, unchanged (needs deepspeed); "
                         "fb_dlrm: facebookresearch/dlrm's dlrm_s_pytorch.py, unchanged "
                         "(needs --dlrm)")
     p.add_argument("--dlrm", default=None, metavar="CHECKOUT",
@@ -173,17 +178,19 @@ def parse(argv=None):
 
 def run_config(a, cluster, hosts: int, ranks: list) -> list:
     """The rows of one configuration (one host, or ``hosts`` emulated hosts at ``cluster``)."""
-    vs = variants(a.codecs) + (MIXED if a.mixed else [])
     where = f"{hosts}x{{n}} {cluster}" if cluster else "one host"
     table = Path(a.table or OUT / (f"apps_tuning_cluster_{cluster}_{hosts}h.json" if cluster
                                    else "apps_tuning.json"))
     if a.tune or (a.quick and not table.exists()):
         for n in ranks:
-            tune(n, table, cluster, hosts, a.codecs)
+            tune(n, table, cluster, hosts, a.codecs,
+                 ops=("all_reduce", "all_to_all") + (("all_gather", "reduce_scatter")
+                                                     if "fsdp" in a.apps else ()))
     if not table.exists():
         raise SystemExit(f"no tuning table at {table}: run with --tune (or pass --table)")
     rows = []
     for app in a.apps:
+        vs = variants(a.codecs, app) + (MIXED if a.mixed else [])
         for n in ranks:
             runs = {v[0]: [] for v in vs}
             for rep in range(a.repeats):
