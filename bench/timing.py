@@ -1,6 +1,8 @@
-"""Timing helpers of bench/: every rank times each call (overhead.py) or each batch of
-calls (cross_framework.py); the figure is the slowest rank's. (`mcrdl bench` has its
-own interleaved sweep: mcrdl_core/tools/sweep.py.)"""
+"""Timing helpers of bench/: every rank times each call (per_call_times) or blocks of
+calls interleaved in a Williams design (interleaved_batches: overhead.py,
+cross_framework.py, ...); the figure is the slowest rank's. The blocks are those of
+`mcrdl bench` and `mcrdl tune` (mcrdl_core/tools/sweep.py), with the calls per block
+chosen by the caller."""
 from __future__ import annotations
 
 import time
@@ -8,7 +10,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mcrdl_core.tools.sweep import round_order
+from mcrdl_core.tools.sweep import (block_plan, collector_off, round_order, timed_blocks,
+                                    whole_cycles)
 
 COMM = MPI.COMM_WORLD
 
@@ -36,36 +39,31 @@ def williams_order(k: int, rounds: int) -> list[list[int]]:
     even k) each function runs at each position equally often and directly follows every
     other one equally often. Every function's batches are spread evenly over the run, so
     slow drifts of the machine fall on all alike."""
-    period = k if k % 2 == 0 else 2 * k
-    return round_order(k, period * -(-max(rounds, 1) // period))
+    return round_order(k, whole_cycles(k, rounds))
 
 
-def interleaved_batches(fns, calls, rounds: int, settle_s: float = 2e-4) -> np.ndarray:
+def interleaved_batches(fns, calls, rounds: int, discard=None) -> np.ndarray:
     """Seconds per call, shape (len(fns), rounds'), rounds' >= ``rounds``: in each round
-    every function runs one batch of ``calls[i]`` back-to-back calls, in the order of a
-    Williams design (williams_order; the same on every rank), an MPI barrier before
-    each batch, the collector off. A batch's figure is its time / its calls, the
-    slowest rank's (max over ranks)."""
-    import gc
+    every function runs one block, in the order of a Williams design (williams_order;
+    the same on every rank): an MPI barrier, ``discard[i]`` untimed calls, then
+    ``calls[i]`` timed back to back, the collector off (``mcrdl tune``'s blocks:
+    sweep.timed_blocks). A block's figure is its timed calls' time / ``calls[i]``, the
+    slowest rank's (max over ranks). ``discard``: a count per function; by default
+    ``sweep.block_plan``'s (calls enough to last ``sweep.DISCARD_S``, from the slowest
+    rank's time of a call after a warm-up one). Why: the first calls after the barrier
+    pay for its skew, cold caches and what the previous function's library left running
+    (Gloo's threads); the design only spreads such costs evenly, it does not remove
+    them."""
+    def barrier():
+        COMM.Barrier()
+
+    def slowest(a):
+        COMM.Allreduce(MPI.IN_PLACE, a, op=MPI.MAX)
 
     order = williams_order(len(fns), rounds)
-    out = np.zeros((len(fns), len(order)))
-    gc.collect()
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        for r, row in enumerate(order):
-            for i in row:
-                fn, k = fns[i], calls[i]
-                time.sleep(settle_s)  # let the previous library's helper threads go idle
-                COMM.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(k):
-                    fn()
-                out[i, r] = (time.perf_counter() - t0) / k
-    finally:
-        if was_on:
-            gc.enable()
-    worst = np.empty_like(out)
-    COMM.Allreduce(out, worst, op=MPI.MAX)
-    return worst
+    with collector_off():
+        if discard is None:
+            discard = [d for d, _ in block_plan(fns, 1, barrier, slowest)]
+        out = timed_blocks(fns, order, list(zip(discard, calls)), barrier)
+    slowest(out)
+    return out

@@ -459,6 +459,82 @@ def test_round_spread_and_order():
             assert len({pairs.count((a, b)) for a in range(k) for b in range(k) if a != b}) == 1
 
 
+def test_whole_cycles_put_every_column_at_every_position():
+    """measure_rounds runs whole cycles of the design: every column (the A/A control
+    included, wherever --backends puts it) sits at every position of a round equally
+    often and directly follows every other column equally often."""
+    for k in range(1, 7):
+        for asked in (1, 5, 12, 24, 25):
+            n = sweep.whole_cycles(k, asked)
+            assert n >= asked and n % (k if k % 2 == 0 or k == 1 else 2 * k) == 0
+            order = sweep.round_order(k, n)
+            for col in range(k):
+                at = [row.index(col) for row in order]
+                assert len({at.count(p) for p in range(k)}) == 1, (k, asked, col)
+            if k > 1:
+                pairs = [(r[i], r[i + 1]) for r in order for i in range(k - 1)]
+                assert len({pairs.count((a, b)) for a in range(k) for b in range(k)
+                            if a != b}) == 1
+
+
+def test_block_sizes():
+    """A block's untimed calls last DISCARD_S (at least one; none for long calls) and
+    its timed calls about BLOCK_S (at least one), both bounded; slices cover the timed
+    calls exactly."""
+    assert sweep.discards_for(3e-6) == 34 and sweep.calls_for(3e-6) == 333
+    assert sweep.discards_for(500e-6) == 1 and sweep.calls_for(500e-6) == 2
+    assert sweep.discards_for(sweep.LONG_CALL_S) == 0 and sweep.calls_for(1.0) == 1
+    assert sweep.discards_for(0.0) == sweep.MAX_DISCARD and sweep.calls_for(0.0) == sweep.MAX_CALLS
+    for calls in (1, 2, 4, 5, 7, 333, 1000):
+        cut = sweep.slices_of(calls)
+        assert sum(cut) == calls and len(cut) == min(calls, sweep.SLICES) and min(cut) >= 1
+        assert max(cut) - min(cut) <= 1
+
+
+def test_timed_blocks_runs_each_column_as_one_block_in_the_rounds_order():
+    """The sequence of calls: per round, in the round's order, each column's block: a
+    barrier, its discarded calls, its timed calls, nothing of another column inside."""
+    log = []
+    fns = [lambda c=c: log.append(c) for c in "abc"]
+    plan = [(2, 3), (0, 1), (1, 7)]
+    order = sweep.round_order(3, sweep.whole_cycles(3, 1))
+    out = sweep.timed_blocks(fns, order, plan, barrier=lambda: log.append("|"))
+    assert out.shape == (3, 6) and (out >= 0).all()
+    want = []
+    for row in order:
+        for i in row:
+            want += ["|"] + ["abc"[i]] * sum(plan[i])
+    assert log == want
+
+
+def test_block_plan_is_the_slowest_ranks():
+    """The plan comes from the figures after ``slowest`` (the MAX over ranks), so every
+    rank runs the same blocks; each function warms up before it is timed."""
+    log = []
+    fns = [lambda c=c: log.append(c) for c in "ab"]
+
+    def slowest(a):  # as if another rank had taken 3 µs and 500 µs per call
+        np.maximum(a, [3e-6, 500e-6], out=a)
+
+    plan = sweep.block_plan(fns, 3, lambda: log.append("|"), slowest)
+    assert plan == [(34, 333), (1, 2)]
+    assert log == ["|"] + ["a"] * 5 + ["|"] + ["b"] * 5
+
+
+def test_control_backend(capsys):
+    from mcrdl_core.tools.cli import build_parser, control_backend
+
+    assert control_backend(None, ["mpi", "gloo"], "cpu") is None
+    assert control_backend("", ["gloo", "mpi"], "cpu") == "mpi"  # the policy's, any order
+    assert control_backend("gloo", ["gloo", "mpi"], "cpu") == "gloo"
+    with pytest.raises(SystemExit, match="not among"):
+        control_backend("nccl", ["gloo", "mpi"], "cpu")
+    ap = build_parser()
+    assert ap.parse_args(["bench", "--control"]).control == ""
+    assert ap.parse_args(["bench", "--control", "gloo"]).control == "gloo"
+    assert ap.parse_args(["bench"]).control is None
+
+
 def test_summary_uses_the_runtime_table(monkeypatch):
     """Without a table argument, the report reads the runtime's table in force and the
     topology (hosts of a group) from its bootstrap."""

@@ -111,13 +111,21 @@ class _Progress:
             self.bar.stop()
 
 
-def _run_sweep(rt, args, backends, title, compression=()):
+def _run_sweep(rt, args, backends, title, watch=None):
+    """{op: {size: {column: per-round seconds}}} of the bench's sweep, with a progress
+    bar; ``watch`` (a LoadWatch) sampled after each point."""
     sizes = _sizes(args)
     total = sum(1 if op == "barrier" else len(sizes) for op in args.ops)
     bar = _Progress(rt.rank, total, title)
+
+    def on_point(op, size):
+        if watch is not None:
+            watch.sample()
+        bar.step(op, size)
+
     try:
-        return _sweep.sweep(args.ops, sizes, backends, trials_scale=args.trials_scale,
-                            on_point=bar.step, device=args.device, compression=compression)
+        return _sweep.sweep_rounds(args.ops, sizes, backends, trials_scale=args.trials_scale,
+                                   on_point=on_point, device=args.device)
     finally:
         bar.close()
 
@@ -167,14 +175,23 @@ def _read_table(path: str, quiet: bool = False) -> dict | None:
         return None
 
 
-def _print_load(report: dict, when: str) -> None:
+TUNE_LOAD_ADVICE = ("The table stays safe: a backend replaces the policy's only where it won "
+                    "with confidence, and ranges that lose in the verification go back to the "
+                    "policy (docs/tuning.md). Tune again on a quiet machine for the crossovers.")
+BENCH_LOAD_ADVICE = ("What load does to these figures: another process that takes a rank's "
+                     "core in the middle of a block adds its time to that block, at random, "
+                     "most to the smallest messages (a 3 µs call can read 10 µs or more), so "
+                     "two columns of one point can differ by tens of percent by chance and "
+                     "the verdict below says little about auto; the A/A control (--control) "
+                     "shows how much. Bench again on a quiet machine.")
+
+
+def _print_load(report: dict, when: str, advice: str = TUNE_LOAD_ADVICE) -> None:
     if report["warnings"]:
         print(f"\nWARNING: timings {when} may describe the machine more than the backends:")
         for w in report["warnings"]:
             print("  - " + w)
-        print("  The table stays safe: a backend replaces the policy's only where it won with "
-              "confidence, and ranges that lose in the verification go back to the policy "
-              "(docs/tuning.md). Tune again on a quiet machine for the crossovers.")
+        print("  " + advice)
 
 
 def tuned_ops(ops, device: str) -> list:
@@ -318,15 +335,34 @@ def _sizes(args) -> list[int]:
             else _sweep.sizes_between(args.min_bytes, args.max_bytes))
 
 
+def control_backend(choice: str | None, backends, device: str) -> str | None:
+    """The backend the A/A control measures again (``--control [BACKEND]``): None without
+    the option; the named one (it must be measured); by default the policy's (mpi for
+    host buffers where measured), whatever the order of ``--backends``, so the control
+    is the backend a table naming one backend runs."""
+    if choice is None:
+        return None
+    if choice:
+        if choice not in backends:
+            raise SystemExit(f"mcrdl bench: --control {choice}: not among the measured "
+                             f"backends {backends}")
+        return choice
+    return _tuning.policy_choice(device, backends)
+
+
 def cmd_bench(args) -> int:
     rt = init()
     _use_device(rt, args.device)
     backends = _usable(rt, args.backends, args.device)
-    control = [f"{backends[0]}@2"] if args.control else []
+    ctl = control_backend(args.control, backends, args.device)
+    control = [f"{ctl}@2"] if ctl else []
     cols = backends + ["auto"] + control
-    res = _run_sweep(rt, args, cols, f"bench {', '.join(cols)}")
+    watch = _sweep.LoadWatch(rt)
+    rounds = _run_sweep(rt, args, cols, f"bench {', '.join(cols)}", watch)
+    load = watch.finish(_sweep.round_spread(rounds))
     if rt.rank != 0:
         return 0
+    res = _sweep.medians(rounds)
     n = rt.world_size
     rows = []
     for op, pts in res.items():
@@ -343,24 +379,32 @@ def cmd_bench(args) -> int:
         w.writerows(rows)
     verdict = _auto_verdict(res, backends, "auto")
     if control:
-        verdict["control"] = _auto_verdict(res, backends[:1], control[0])
+        verdict["control"] = _auto_verdict(res, [ctl], control[0])
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump({"world_size": n, "table": getattr(rt.table, "path", None), "rows": rows,
-                   "auto_vs_best": verdict}, f, indent=1)
+                   "auto_vs_best": verdict, "load": load}, f, indent=1)
     _print_bench(res, backends, control, n, rt, args.device)
     png = _plot(res, cols, n, stem + ".png")
+    _print_load(load, "of this run", BENCH_LOAD_ADVICE)
     print(f"auto within max(5%, 2 µs) of the best single backend at {verdict['within']} of "
           f"{verdict['points']} points; sweep total: auto {verdict['auto_total_us']:.1f} µs vs "
-          f"best single backend ({verdict['best_backend']}) {verdict['best_total_us']:.1f} µs")
+          f"best single backend ({verdict['best_backend']}) {verdict['best_total_us']:.1f} µs"
+          f" ({_pct(verdict['auto_total_us'], verdict['best_total_us'])})")
     if verdict["misses"]:
         print("  outside the bound: " + "; ".join(verdict["misses"][:10]))
     if control:
         c = verdict["control"]
         print(f"A/A control: {control[0]} (the same backend measured again) within the same "
-              f"bound of {backends[0]} at {c['within']} of {c['points']} points: the noise floor "
-              "of this machine")
+              f"bound of {ctl} at {c['within']} of {c['points']} points; total "
+              f"{c['auto_total_us']:.1f} µs vs {c['best_total_us']:.1f} µs "
+              f"({_pct(c['auto_total_us'], c['best_total_us'])}): the noise floor of this "
+              "machine")
     print(f"wrote {stem}.csv, {stem}.json" + (f", {png}" if png else ""))
     return 0
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{(a / b - 1) * 100:+.1f}%" if b > 0 else "n/a"
 
 
 def _auto_verdict(res, backends, col: str) -> dict:
@@ -654,8 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(compression='auto:...' or 'table'). Default: none")
         else:
             p.add_argument("--out", default="mcrdl-bench", help="folder for CSV/JSON/PNG")
-            p.add_argument("--control", action="store_true",
-                           help="add an A/A column: the first backend measured a second time")
+            p.add_argument("--control", nargs="?", const="", default=None, metavar="BACKEND",
+                           help="add an A/A column BACKEND@2: that backend measured a second "
+                                "time, in every position of the rounds like the others "
+                                "(default: the policy's, mpi for host buffers)")
         p.set_defaults(fn=fn)
     p = sub.add_parser("info", help="backends, bootstrap and the tuning table in force")
     p.set_defaults(fn=cmd_info)

@@ -1,19 +1,33 @@
 """Latency sweeps over ops, message sizes and backends (used by ``mcrdl tune`` and
 ``mcrdl bench``).
 
-For one (op, size) every backend is measured in *paired rounds*: in each round every
-column runs once, back to back, each call after a barrier, in an order that rotates
-from round to round so that every column is first, last and after every other one
-equally often (``round_order``, a Williams design, the same on every rank). Machine
-noise and the previous call's after-effects then fall on all columns alike, and the
-tuner compares columns round by round (tuning.py's ``compare``). The collector is off
-while timing (as in timeit). A call's time is the slowest rank's (max over ranks);
-``measure_rounds`` returns those per round, ``measure_point`` their medians. Buffers
-are NumPy arrays (float32, or int32 for the int class), allocated once per point; with
-``device="cuda"`` they are CuPy arrays on the current device, and each timed call ends
-with a synchronize of CuPy's current stream (NCCL calls return once enqueued, and the
-caller's stream is made to wait on them), so a call's time includes the GPU's part.
-Sizes are bytes per rank (the selection size, see selection.py).
+For one (op, size) every backend is measured in *paired rounds*. In a round every
+column runs one *block*: a barrier, a few untimed calls, then a run of timed calls back
+to back (``block_plan``, ``timed_blocks``); the column's figure in that round is the
+median over the block's slices of their time per call, the slowest rank's (max over
+ranks). The blocks of a round follow an order that rotates from round to round, whole
+cycles of a Williams design (``round_order``, ``whole_cycles``, the same on every rank),
+so every column is first, last and right after every other one equally often, and the
+tuner compares columns round by round (tuning.py's ``compare``); ``measure_rounds``
+returns the figures per round, ``measure_point`` their medians.
+
+Why blocks (bench/column_bias.py measures it; docs/tuning.md): one call timed after a
+barrier is not the call's cost. At 8 B on 2 ranks the steady mpi all-reduce takes 3.1
+µs, but the first call after a barrier 3.5 µs, after a 0.2 ms sleep 7 µs, after a 2 ms
+sleep 15 µs (the ranks leave the barrier apart, caches and the core went cold), and the
+first three after a Gloo call 16-30, 5-10 and 4 µs (Gloo's threads and the GIL they
+take back). A column's place relative to Gloo's calls then moved it by 10-20% although
+positions were balanced, since the longer path of ``auto`` pays more for cold caches.
+The untimed calls of a block absorb all of that (``DISCARD_S``), the blocks make a
+figure the steady cost of a call (as nccl-tests and the OSU benchmarks report), the
+slices' median keeps one preemption out of it, and whatever is left is spread evenly by
+the design. The collector is off while timing (as in timeit).
+
+Buffers are NumPy arrays (float32, or int32 for the int class), allocated once per
+point; with ``device="cuda"`` they are CuPy arrays on the current device, and each
+timed call ends with a synchronize of CuPy's current stream (NCCL calls return once
+enqueued, and the caller's stream is made to wait on them), so a call's time includes
+the GPU's part. Sizes are bytes per rank (the selection size, see selection.py).
 
 ``LoadWatch`` and ``load_report`` record what else ran on the hosts during a tuning run
 (``mcrdl tune`` stores it in the table's machine block; docs/tuning.md).
@@ -30,6 +44,7 @@ slower path.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 
@@ -43,8 +58,10 @@ from ..memory.cuda import cupy
 
 
 def trials_for(nbytes: int, scale: float = 1.0) -> int:
-    """More trials for small messages (cheap, noisier), fewer for large ones."""
-    return max(12, int(min(200, (512 << 20) // max(nbytes, 1) // 16) * scale))
+    """Rounds of a point: 24 up to 1 MiB per rank, fewer for larger messages (12 from 4
+    MiB on), times ``scale``, at least 12; ``measure_rounds`` rounds up to whole cycles
+    of the design. Each round's figure is already a mean over a block of calls."""
+    return max(12, int(min(24, (512 << 20) // max(nbytes, 1) // 16) * scale))
 
 
 def element_count(op: str, nbytes: int, n: int, itemsize: int) -> int:
@@ -185,14 +202,15 @@ def _make_call(op, nbytes, backend, dtype, group, xp, compression=None, pool=Non
 
 
 def measure_rounds(op: str, nbytes: int, columns, rounds: int, warmup: int = 3,
-                   dtype=np.float32, group=None, settle_s: float = 2e-4,
-                   device: str = "cpu") -> dict:
-    """{column: array of ``rounds`` seconds} for one (op, size): per round, the slowest
-    rank's time of each column's call, the columns of a round back to back
-    (``round_order``). A column is a backend (``"auto"``: through the tuning table in
-    force), the A/A control ``mpi@2`` (mpi measured again) or a compressed variant
-    ``mpi+int8@ring``. send_recv reports one-way latency (half the round trip). Every
-    rank returns the same figures."""
+                   dtype=np.float32, group=None, device: str = "cpu") -> dict:
+    """{column: array of seconds per round} for one (op, size), at least ``rounds``
+    rounds (rounded up to whole cycles of ``round_order``): per round, each column's
+    block of back-to-back calls (``block_plan``, ``timed_blocks``), the columns' blocks
+    in the round's order; a column's figure in a round is the slowest rank's mean time
+    per timed call of its block. A column is a backend (``"auto"``: through the tuning
+    table in force), the A/A control ``mpi@2`` (mpi measured again) or a compressed
+    variant ``mpi+int8@ring``. send_recv reports one-way latency (half the round trip).
+    Every rank returns the same figures."""
     rt = get_runtime()
     sync_backend = "mpi" if rt.unavailable_reason("mpi") is None else "gloo"
     pool: dict = {}
@@ -200,41 +218,38 @@ def measure_rounds(op: str, nbytes: int, columns, rounds: int, warmup: int = 3,
     for b in columns:
         name, spec = split_column(b)
         calls[b] = make_call(op, nbytes, name, dtype, group, device, spec, pool)
-    for fn in calls.values():
-        for _ in range(warmup):
-            fn()
     fns = list(calls.values())
-    times = np.zeros((len(fns), rounds))
-    gc.collect()
-    gc_was_on = gc.isenabled()
-    gc.disable()  # as timeit does: collector pauses would land on whichever call is next
-    try:
-        _timed_rounds(fns, round_order(len(fns), rounds), times, group, sync_backend, settle_s)
-    finally:
-        if gc_was_on:
-            gc.enable()
-    api.all_reduce(times, "max", group=group, backend=sync_backend)
+
+    def barrier():
+        api.barrier(group, backend=sync_backend)
+
+    def slowest(a):
+        api.all_reduce(a, "max", group=group, backend=sync_backend)
+
+    with collector_off():
+        plan = block_plan(fns, warmup, barrier, slowest)
+        times = timed_blocks(fns, round_order(len(fns), whole_cycles(len(fns), rounds)),
+                             plan, barrier)
+    slowest(times)
     if op == "send_recv":
         times *= 0.5
     return {b: times[i] for i, b in enumerate(calls)}
 
 
 def measure_point(op: str, nbytes: int, backends, trials: int, warmup: int = 3,
-                  dtype=np.float32, group=None, settle_s: float = 2e-4,
-                  device: str = "cpu") -> dict:
+                  dtype=np.float32, group=None, device: str = "cpu") -> dict:
     """{column: median seconds} over ``trials`` paired rounds (``measure_rounds``)."""
-    got = measure_rounds(op, nbytes, backends, trials, warmup, dtype, group, settle_s, device)
+    got = measure_rounds(op, nbytes, backends, trials, warmup, dtype, group, device)
     return {b: float(np.median(t)) for b, t in got.items()}
 
 
 def round_order(k: int, rounds: int) -> list[list[int]]:
     """The order of the ``k`` columns in each of ``rounds`` rounds: the rows of a
     Williams design (a balanced Latin square; for odd k, with its mirror image),
-    repeated. Over a full cycle every column takes every position equally often and
-    directly follows every other column equally often inside a round: a call right
-    after another library's call can pay for it (Gloo's threads winding down on a busy
-    machine), and the first call of a round can pay for the barrier; the design spreads
-    both evenly over the columns."""
+    repeated. Over a full cycle (``whole_cycles``) every column takes every position
+    equally often and directly follows every other column equally often inside a round,
+    so whatever a block leaves behind for the next one that its discarded calls do not
+    absorb, and whatever the position in a round costs, falls on every column alike."""
     if k <= 1:
         return [[0] * k for _ in range(rounds)]
     first, lo, hi = [0], 1, k - 1
@@ -250,14 +265,116 @@ def round_order(k: int, rounds: int) -> list[list[int]]:
     return [rows[r % len(rows)] for r in range(rounds)]
 
 
-def _timed_rounds(fns, order, times, group, sync_backend, settle_s):
-    for r, perm in enumerate(order):
-        for i in perm:
-            time.sleep(settle_s)  # let the previous call's library threads go idle
-            api.barrier(group, backend=sync_backend)
-            t0 = time.perf_counter()
-            fns[i]()
-            times[i, r] = time.perf_counter() - t0
+def whole_cycles(k: int, rounds: int) -> int:
+    """``rounds`` rounded up to whole cycles of ``round_order`` for ``k`` columns (k
+    rounds for even k, 2k for odd k), at least one cycle."""
+    period = 1 if k <= 1 else (k if k % 2 == 0 else 2 * k)
+    return period * -(-max(rounds, 1) // period)
+
+
+# --- one column's block of calls ------------------------------------------------------
+#: the calls a block runs before its timed ones, untimed, last at least this long. What
+#: they absorb (measured at 8 B on 2 ranks, bench/column_bias.py): the first call after
+#: the barrier pays for the ranks leaving it at different times and for cold caches
+#: (3.5-15 µs where the steady call takes 3.1), the first three after a Gloo call for
+#: Gloo's threads and the GIL they take back (16-30, 5-10, 4 µs)
+DISCARD_S = 100e-6
+#: ... at most this many calls
+MAX_DISCARD = 100
+#: a call at least this long needs no discarded call in front of it (what the previous
+#: column leaves behind costs microseconds)
+LONG_CALL_S = 10e-3
+#: the timed calls of a block last about this long (1 call at least, MAX_CALLS at most):
+#: long enough for the timer and short enough that few blocks meet a preemption
+BLOCK_S = 1e-3
+MAX_CALLS = 1000
+#: the timed calls of a block are cut into this many slices, each timed (``timed_blocks``)
+SLICES = 5
+
+
+def discards_for(call_s: float) -> int:
+    """Untimed calls in front of a block's timed ones, for calls of ``call_s`` seconds:
+    enough to last ``DISCARD_S``, at least one; none for calls of ``LONG_CALL_S`` or more."""
+    if call_s >= LONG_CALL_S:
+        return 0
+    return int(min(MAX_DISCARD, max(1, math.ceil(DISCARD_S / max(call_s, 1e-9)))))
+
+
+def calls_for(call_s: float, block_s: float = BLOCK_S) -> int:
+    """Timed calls of a block, for calls of ``call_s`` seconds: about ``block_s`` of them."""
+    return int(min(MAX_CALLS, max(1, round(block_s / max(call_s, 1e-9)))))
+
+
+def block_plan(fns, warmup: int, barrier, slowest) -> list[tuple[int, int]]:
+    """[(discarded, timed) calls] of each function's block, the same on every rank:
+    each function runs ``warmup`` calls, then two timed back to back; the slowest rank's
+    time of those (``slowest`` reduces an array in place with MAX over ranks) gives
+    ``discards_for`` and ``calls_for``. ``barrier()`` before each function."""
+    est = np.zeros(len(fns))
+    for i, fn in enumerate(fns):
+        barrier()
+        for _ in range(warmup):
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        fn()
+        est[i] = (time.perf_counter() - t0) / 2
+    slowest(est)
+    return [(discards_for(t), calls_for(t)) for t in est]
+
+
+def slices_of(calls: int, slices: int = SLICES) -> list[int]:
+    """The timed calls of a block cut into ``min(slices, calls)`` consecutive slices of
+    nearly equal length (their sizes)."""
+    m = max(1, min(slices, calls))
+    cuts = [round(j * calls / m) for j in range(m + 1)]
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def timed_blocks(fns, order, plan, barrier) -> np.ndarray:
+    """This rank's seconds per call, shape (len(fns), len(order)): in round r the
+    functions run in the order ``order[r]``, function i as one block: ``barrier()``,
+    ``plan[i][0]`` untimed calls, then ``plan[i][1]`` timed back to back in
+    ``slices_of`` slices; the figure is the median over the slices of their time per
+    call (a preemption that lands in one slice moves the mean of the block, not the
+    median). Every rank must run the same ``order`` and ``plan``."""
+    out = np.zeros((len(fns), len(order)))
+    clock = time.perf_counter
+    cuts = [slices_of(k) for _, k in plan]
+    for r, row in enumerate(order):
+        for i in row:
+            fn, skip, sizes = fns[i], plan[i][0], cuts[i]
+            barrier()
+            for _ in range(skip):
+                fn()
+            per = []
+            t0 = clock()
+            for n in sizes:
+                for _ in range(n):
+                    fn()
+                t1 = clock()
+                per.append((t1 - t0) / n)
+                t0 = t1
+            per.sort()
+            m = len(per)
+            out[i, r] = per[m // 2] if m % 2 else (per[m // 2 - 1] + per[m // 2]) / 2
+    return out
+
+
+class collector_off:
+    """A context in which the garbage collector is off (collected first), as timeit
+    does: a collector pause would land in whichever block is running."""
+
+    def __enter__(self):
+        gc.collect()
+        self.was_on = gc.isenabled()
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.was_on:
+            gc.enable()
+        return False
 
 
 def algbw_bytes(op: str, nbytes: int, n: int) -> int:
@@ -299,10 +416,15 @@ def sweep_rounds(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.fl
 def sweep(ops, sizes, backends, *, trials_scale: float = 1.0, dtype=np.float32, group=None,
           on_point=None, device: str = "cpu", compression=()) -> dict:
     """{op: {size: {column: median seconds}}} of ``sweep_rounds``."""
-    got = sweep_rounds(ops, sizes, backends, trials_scale=trials_scale, dtype=dtype,
-                       group=group, on_point=on_point, device=device, compression=compression)
+    return medians(sweep_rounds(ops, sizes, backends, trials_scale=trials_scale, dtype=dtype,
+                                group=group, on_point=on_point, device=device,
+                                compression=compression))
+
+
+def medians(results: dict) -> dict:
+    """{op: {size: {column: per-round seconds}}} -> the same with each column's median."""
     return {op: {s: {c: float(np.median(t)) for c, t in by.items()} for s, by in pts.items()}
-            for op, pts in got.items()}
+            for op, pts in results.items()}
 
 
 def round_spread(results: dict) -> float:

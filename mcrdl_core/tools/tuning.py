@@ -3,8 +3,9 @@
 How a table is decided (the why is in docs/tuning.md):
 
 * **Paired rounds.** The sweep (sweep.py) measures a point (op, size) as rounds: in each
-  round every candidate runs once, back to back, in a rotating order. A candidate's
-  figure in a round is the slowest rank's time of its call.
+  round every candidate runs one block of back-to-back calls (its first calls untimed),
+  the blocks in an order that rotates over whole cycles of a Williams design. A
+  candidate's figure in a round is the slowest rank's time per call in its block.
 * **Evidence for a switch** (``compare``). At each size the tuner keeps the *current*
   choice (the policy's, the neighbouring range's, or, re-tuning some sizes of an
   existing entry, that entry's) unless a candidate is faster with confidence: its
