@@ -283,12 +283,17 @@ def start_traced(name: str, arrays, statics, outs, grad=None) -> Handle:
     return Handle(hid, tuple(arrays) if grad is not None else (), _Site(name, [outs], grad))
 
 
-def wait(handle, timeout: float | None = None):
+def wait(handle, timeout: float | None = None, after=None):
     """The result of a non-blocking call (a list or tuple of handles: a list of results).
     Eager: blocks until done (``timeout`` seconds, None: the runtime's own); under jit:
-    where the result enters the program. A handle is waited once."""
+    where the result enters the program. A handle is waited once.
+
+    ``after`` (under jit): arrays (a pytree) that XLA must compute before the wait runs:
+    the compute to overlap with the call. XLA's scheduler is free to place independent
+    compute after the wait (it does: docs/jax.md); ``after`` pins it in between (one
+    element of each array becomes an operand of the wait). Ignored eagerly."""
     if isinstance(handle, (list, tuple)):
-        return [wait(h, timeout) for h in handle]
+        return [wait(h, timeout, after) for h in handle]
     if not isinstance(handle, Handle):
         raise InvalidArgumentError(f"mcrdl_jax.wait: expected a Handle (from a call with "
                                    f"async_op=True), got {type(handle).__name__}")
@@ -299,7 +304,7 @@ def wait(handle, timeout: float | None = None):
     from . import traced
 
     if traced(handle.ident, *handle.inputs):
-        return _wait_traced(handle)
+        return _wait_traced(handle, after)
     eager.ready()  # in-flight jitted work first (a handle that left its jit: its start)
     entry = _take(int(handle.ident))
     outs = _finish(entry, timeout)
@@ -309,7 +314,7 @@ def wait(handle, timeout: float | None = None):
     return eager.to_jax(y)
 
 
-def _wait_traced(handle: Handle):
+def _wait_traced(handle: Handle, after=None):
     from .callback import host_call
 
     site = handle.site
@@ -318,11 +323,14 @@ def _wait_traced(handle: Handle):
             "mcrdl_jax.wait: an eager handle waited inside a jitted function; wait it "
             "eagerly, or start the call inside the function")
 
-    def fetch(hid):
+    def fetch(hid, *_after):
         return tuple(np.asarray(o) for o in _finish(_take(int(hid))))
 
     ident = jnp.asarray(handle.ident, jnp.int32)
-    (raw,) = host_call(fetch, site.outs, ident, what=f"wait of {site.name}")
+    # ``after``: one element of each array becomes an operand of the wait, a data
+    # dependency XLA keeps (it drops optimization barriers before scheduling on CPU)
+    pins = [jnp.ravel(a)[:1] for a in jax.tree_util.tree_leaves(after) if jnp.size(a)]
+    (raw,) = host_call(fetch, site.outs, ident, *pins, what=f"wait of {site.name}")
     if site.grad is None or not handle.inputs:
         return raw
     return _attach(site.name, site.grad)(handle.inputs, raw)
