@@ -37,6 +37,7 @@ from ..observe.logger import bandwidths
 from ..world.backend import load_attr
 from ..world.bootstrap import cluster_info
 from . import sweep as _sweep
+from . import trace as _trace
 from . import tuning as _tuning
 
 SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -718,6 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["trace"], ["explain"]):  # the flight recorder's reader (tools/trace.py)
+        return _trace.main(argv)
     if argv[:1] == ["fuzz"]:  # its own options (the driver's parser), passed on whole
         return cmd_fuzz(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)

@@ -1,0 +1,134 @@
+"""What the flight recorder costs a call on the fast path (docs/reliability.md).
+
+    python bench/recorder_cost.py [--pairs 6] [--calls 20000] [--ranks 2]
+
+Launches ``--pairs`` pairs of 2-rank jobs (mpiexec), one with the recorder on (the
+default, MCRDL_TRACE_ENTRIES=4096) and one with it off (``MCRDL_TRACE_ENTRIES=0``),
+alternately, so that a change in the machine's load meets both alike. Each job times
+blocking calls of 4 float32 elements on MPI through the bound fast path of mcrdl_torch
+(``all_reduce``, ``broadcast``) and of the NumPy core (``mcrdl_core.all_reduce`` on an
+ndarray): rounds of ``--calls`` calls, the median round per call. The table gives per
+op the median over the jobs of each setting, on minus off, and the A/A row: the same
+setting's even jobs against its odd ones (what noise alone makes of a difference). Also ``--micro``: the recorder's own steps (an entry made and appended,
+its end time set) timed in one process, without MPI.
+
+Figures mean something on a quiet machine only: the load average is printed with them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import timeit
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = ("torch.all_reduce", "torch.broadcast", "numpy.all_reduce")
+
+
+def job(calls: int, rounds: int) -> None:
+    """One job's timings (run under mpiexec): rank 0 prints one JSON line."""
+    import numpy as np
+    import torch
+
+    import mcrdl_core as core
+    import mcrdl_torch as dist
+
+    core.init()
+    t = torch.ones(4)
+    a = np.ones(4, np.float32)
+    fns = {"torch.all_reduce": lambda: dist.all_reduce(t, backend="mpi"),
+           "torch.broadcast": lambda: dist.broadcast(t, 0, backend="mpi"),
+           "numpy.all_reduce": lambda: core.all_reduce(a, backend="mpi")}
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(2000):  # warm: the memo, the bound closure
+            fn()
+        per = []
+        for _ in range(rounds):
+            dist.barrier(backend="mpi")
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per.append((time.perf_counter() - t0) / calls)
+        out[name] = statistics.median(per)
+    if core.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def micro() -> dict:
+    """The recorder's own steps on one call, timed alone (µs)."""
+    from mcrdl_core.observe import recorder as rec
+    from mcrdl_core.world.group import Group
+
+    g = Group(0, [0], 0)
+    desc = rec.describe(g, "all_reduce", None, "mpi", rule="policy")
+    append, now = rec.append, time.perf_counter
+
+    def step():
+        g.trace_seq += 1
+        e = [desc, g.trace_seq, now(), 4, None, None, None, None]
+        append(e)
+        e[6] = now()
+
+    n = 200000
+    best = min(timeit.repeat(step, number=n, repeat=7)) / n
+    empty = min(timeit.repeat(lambda: None, number=n, repeat=7)) / n
+    return {"entry_us": round((best - empty) * 1e6, 4)}
+
+
+def launch(on: bool, calls: int, rounds: int, ranks: int) -> dict:
+    env = dict(os.environ, MCRDL_TUNING_TABLE="none", PYTHONUNBUFFERED="1",
+               MCRDL_TRACE_ENTRIES="4096" if on else "0")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = ["mpiexec", "-n", str(ranks), sys.executable, __file__, "--job",
+           "--calls", str(calls), "--rounds", str(rounds)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600).stdout
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[7:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--micro", action="store_true", help="the recorder's steps alone")
+    a = p.parse_args()
+    if a.job:
+        job(a.calls, a.rounds)
+        return
+    load = os.getloadavg()
+    if a.micro:
+        print(json.dumps(dict(micro(), load=[round(x, 2) for x in load])))
+        return
+    runs = {True: [], False: []}
+    for _ in range(a.pairs):
+        for on in (True, False):
+            runs[on].append(launch(on, a.calls, a.rounds, a.ranks))
+    end = os.getloadavg()
+    print(f"recorder on (MCRDL_TRACE_ENTRIES=4096) vs off (0): {a.pairs} pairs of "
+          f"{a.ranks}-rank jobs, {a.rounds} rounds of {a.calls} calls; load average "
+          f"{load[0]:.2f} at start, {end[0]:.2f} at end")
+    print(f"{'op':<18} {'on µs':>8} {'off µs':>8} {'on-off':>8} {'A/A on':>8} {'A/A off':>8}")
+    for op in OPS:
+        on = [r[op] * 1e6 for r in runs[True]]
+        off = [r[op] * 1e6 for r in runs[False]]
+        # A/A: the even jobs of one setting against its odd ones (interleaved in time)
+        aa_on = statistics.median(on[::2]) - statistics.median(on[1::2]) if len(on) > 1 \
+            else float("nan")
+        aa_off = statistics.median(off[::2]) - statistics.median(off[1::2]) if len(off) > 1 \
+            else float("nan")
+        print(f"{op:<18} {statistics.median(on):8.3f} {statistics.median(off):8.3f} "
+              f"{statistics.median(on) - statistics.median(off):8.3f} {aa_on:8.3f} "
+              f"{aa_off:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
