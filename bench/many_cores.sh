@@ -15,8 +15,8 @@
 #
 # A machine without iproute2: put `ip` and `tc` (with the libraries they need next to
 # them, in lib/, their rpath set to $ORIGIN/lib) in a folder and name it IPROUTE=DIR.
-# Ran on a 16-core machine on 2026-11-27: docs/benchmarks.md, "MoE on 4x1 at 1 Gbit/s
-# with cores to spare".
+# Ran on a 16-core machine: docs/benchmarks.md, "MoE with cores to spare (16 cores,
+# 4x1 at 1 Gbit/s)".
 set -u
 cd "$(dirname "$0")/.."
 OUTD=${OUT:-bench/out/many_cores}; mkdir -p "$OUTD"

@@ -264,7 +264,7 @@ def _p2p_all_to_all(ch, codec, p, x, res):
     (``_direct``), else through staging copies like the encoded ones. At 1 Gbit/s
     (4 MiB per rank, 2 hosts x 2 ranks and 4 x 1) this is 7-11% faster than one
     backend Alltoallv of the same bytes, and no slower on one host or at 10 Gbit/s
-    (docs/compression.md, "F16C and one send per peer")."""
+    (docs/compression.md, "All-to-all on 2 hosts x 2 ranks")."""
     P, r = ch.size, ch.rank
     exact = p.exact or (False,) * P
     ioff, ooff = _offsets(p.in_counts), _offsets(p.out_counts)

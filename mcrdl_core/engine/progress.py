@@ -18,8 +18,8 @@ the rank doing the work gets the core; so does a process that another took its c
 from (a pass of the loop that took over ``PREEMPTED_S``: a busy host), for
 ``CONTENDED_S``. On Linux ``sleep(0)`` is a nap of the timer slack (50 µs; about 60 µs
 a call), not a bare ``sched_yield``: ``sched_yield`` instead, or naps growing to 0.5 ms,
-made no app faster where 4 ranks share 2 cores (docs/benchmarks.md, "Why MoE stays
-near 1.1x on 4x1"). With no host-driven work in flight, it gives up the CPU the same
+made no app faster where 4 ranks share 2 cores (docs/benchmarks.md, "Emulated hosts
+at 1 Gbit/s"). With no host-driven work in flight, it gives up the CPU the same
 way after the spin and, after 2 ms, naps with a backoff capped at 1 ms; Gloo and CUDA
 progress on their own threads and engines. A wait whose works can all be slept on
 (``Work.block``: Gloo's works, a helper thread joined or torch's timed wait) with
