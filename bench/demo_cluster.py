@@ -1,6 +1,6 @@
 """The demo's training comparison: where mixing and codecs pay, on 2 emulated hosts.
 
-    sudo .venv/bin/python bench/demo_cluster.py [--steps 15] [--rate 1gbit] [--repeats 1] [--tune]
+    sudo .venv/bin/python bench/demo_cluster.py [--steps 10] [--rate 1gbit] [--repeats 1] [--tune]
 
 ``make demo`` runs it last. It builds an emulated cluster (``mcrdl cluster``, docs/cluster.md:
 network namespaces, links shaped by tc, addresses in 198.18.0.0/15, removed after each
@@ -191,7 +191,7 @@ def _load() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=15, help="timed steps per run (after 3 untimed)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 untimed)")
     p.add_argument("--repeats", type=int, default=1, help="runs per variant, rotated; median")
     p.add_argument("--rate", default="1gbit", help="link rate per host and direction (tc units)")
     p.add_argument("--hosts", type=int, default=2)
@@ -214,8 +214,10 @@ def main(argv=None) -> int:
     where = f"{a.hosts} emulated hosts x {a.ranks_per_host} rank, {a.rate}"
     tpath = a.out / f"demo_cluster_tuning_{a.hosts}x{a.ranks_per_host}_{a.rate}.json"
     if a.tune or not tpath.exists():
+        t1 = time.monotonic()
         tune(n, tpath, a.rate, a.hosts, a.codecs, ops=TUNE_OPS, sizes=TUNE_SIZES, timeout=300,
              trials_scale=0.5)
+        print(f"  tuned in {time.monotonic() - t1:.0f} s", flush=True)
     tdata = json.loads(tpath.read_text())
     rows = []
     for app, args, what in [x for x in APPS if x[0] in a.apps]:
@@ -226,9 +228,12 @@ def main(argv=None) -> int:
         runs = {v[0]: [] for v in vs}
         for rep in range(a.repeats):
             for v in vs[rep % len(vs):] + vs[:rep % len(vs)]:
+                t1 = time.monotonic()
                 r = apps_table.launch(app, n, v, a.steps, str(tpath), a.rate, a.hosts, "demo")
+                r["wall_s"] = time.monotonic() - t1
                 runs[v[0]].append(r)
-                print(f"  {app}: {v[0]:28s} {r['samples_per_s']:9.1f} samples/s", flush=True)
+                print(f"  {app}: {v[0]:30s} {r['samples_per_s']:9.1f} samples/s "
+                      f"({r['wall_s']:.0f} s)", flush=True)
         gloo_sps = statistics.median(r["samples_per_s"] for r in runs["gloo (torch)"])
         exact_loss = runs[EXACT][0]["losses"][-1]
         for name, *_ in vs:

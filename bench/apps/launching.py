@@ -99,5 +99,8 @@ def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2,
            + (["--trials-scale", f"{trials_scale:g}"] if trials_scale != 1.0 else [])
            + ["--output", str(path)])
     print("tuning:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=run_env(str(path)), cwd=ROOT, timeout=timeout,
-                   stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, env=run_env(str(path)), cwd=ROOT, timeout=timeout,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:  # its log only where it failed (else torch's and MPI's chatter)
+        raise SystemExit(f"{' '.join(cmd)} failed (exit status {proc.returncode}):\n"
+                         f"{proc.stderr[-4000:]}")
