@@ -247,7 +247,7 @@ class _Reducible:
             np.copyto(self.buf.host(), arr, casting="unsafe")
 
 
-_FAST_VERSION = 6  # mpi_fast.c's VERSION that this module's calls are written for
+_FAST_VERSION = 7  # mpi_fast.c's VERSION that this module's calls are written for
 _COMPILED: list = []
 
 
@@ -499,6 +499,13 @@ class MPIBackend(Backend):
         - send, recv: ``(ptr, count, group rank or None, tag)``; a receive's request also
           tells its source (``source()``)
         - barrier: ``()``; ``Ibarrier``
+        - compiled only (None without the module): gather, scatter ``(out, inp, count)``
+          (``Igather``, ``Iscatter``; ``root``: the root's group rank), and
+          all_to_all with ``root="list"``, the list form ``(outs, out_counts, ins,
+          in_counts)`` (``Ialltoallv``, as the general path issues it). The list forms
+          of all_gather, reduce_scatter, gather and scatter give the list side as a
+          tuple of block addresses where the blocks are not one run (staged in a
+          temporary: packed before the issue, copied into the blocks at completion)
 
         With the compiled module in use (``fast_module``) the issuer is its function of
         the op, not polled (``fast_blocking`` with a negative spin), and what it returns
@@ -512,6 +519,8 @@ class MPIBackend(Backend):
         compiled = self.fast_blocking(op, group, dtype, red, root)
         if compiled is not None:  # the same call, compiled, never polled (spin < 0)
             return functools.partial(compiled, -1.0)
+        if op in (Op.GATHER, Op.SCATTER) or root == "list":
+            return None  # (the list forms, gather and scatter: compiled only)
         comm = self.comm(group)
         if op is Op.BARRIER:
             return comm.Ibarrier
@@ -609,6 +618,12 @@ class MPIBackend(Backend):
             return functools.partial(c.alltoall, comm, mtype)
         if op is Op.ALL_TO_ALL and root == "v":
             return functools.partial(c.alltoallv, comm, mtype, group.size, group.rank)
+        if op is Op.ALL_TO_ALL and root == "list":
+            return functools.partial(c.alltoall_list, comm, mtype, group.size, group.rank)
+        if op is Op.GATHER:
+            return functools.partial(c.gather, comm, mtype, root, group.rank == root)
+        if op is Op.SCATTER:
+            return functools.partial(c.scatter, comm, mtype, root, group.rank == root)
         if op is Op.SEND:
             return functools.partial(c.send, comm, mtype)
         if op is Op.RECV:

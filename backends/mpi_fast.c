@@ -472,27 +472,438 @@ static PyObject *exchange(PyObject *const *args, Py_ssize_t nargs, exchange_fn f
     return finish(rc, req, spin);
 }
 
-/* allgather(comm, dtype, spin, out, inp, count): count per rank */
-static PyObject *allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* --- list forms: blocks staged in a temporary ------------------------------------------
+ * One side of a list form's memory (the blocks of a list all_gather's, a gather's or a
+ * list all_to_all's output; of a list reduce_scatter's, a scatter's or a list
+ * all_to_all's input) comes as a tuple of block addresses where it cannot go to MPI as
+ * it is (not one run in order, or sharing memory with the other side): it is staged in
+ * a temporary (a bytes object) as the general path stages it (api.py): an input packed
+ * before the issue, an output copied into its blocks once the request completes, at
+ * once where that was within the spin, else by the Work's finalizer (an ``unpack``
+ * callable, which Work.complete runs). The MPI call is the general path's, so a rank on
+ * either path meets the other. */
+
+/* The ``i``-th address of the tuple ``blocks`` (-1 on an error, raised). */
+static int block_at(PyObject *blocks, Py_ssize_t i, char **out)
 {
-    return exchange(args, nargs, MPI_Iallgather_c);
+    PyObject *o = PyTuple_GET_ITEM(blocks, i);
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "mpi_fast: a block address must be an int");
+        return -1;
+    }
+    *out = (char *)PyLong_AsVoidPtr(o);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
-/* reduce_scatter(comm, dtype, op, spin, out, inp, count): count per rank */
+/* The size in bytes of block ``i``: ``sizes`` is an int (every block's) or a tuple. */
+static Py_ssize_t block_size(PyObject *sizes, Py_ssize_t i)
+{
+    return PyLong_AsSsize_t(PyTuple_Check(sizes) ? PyTuple_GET_ITEM(sizes, i) : sizes);
+}
+
+/* Copy between the blocks and the temporary ``tmp`` (its bytes in block order): into
+ * the temporary (``in``) or out of it. 0, or -1 with an error raised. */
+static int copy_blocks(PyObject *tmp, PyObject *blocks, PyObject *sizes, int in)
+{
+    char *t = PyBytes_AS_STRING(tmp), *b;
+    Py_ssize_t i, sz, off = 0, total = PyBytes_GET_SIZE(tmp);
+    for (i = 0; i < PyTuple_GET_SIZE(blocks); i++) {
+        if ((sz = block_size(sizes, i)) < 0 || sz > total - off) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "mpi_fast: blocks past their temporary");
+            return -1;
+        }
+        if (sz) {
+            if (block_at(blocks, i, &b) < 0)
+                return -1;
+            if (in)
+                memcpy(t + off, b, (size_t)sz);
+            else
+                memmove(b, t + off, (size_t)sz);
+        }
+        off += sz;
+    }
+    return 0;
+}
+
+/* A new temporary of ``total`` bytes holding the blocks packed (NULL on an error). */
+static PyObject *pack(PyObject *blocks, PyObject *sizes, Py_ssize_t total)
+{
+    PyObject *tmp = PyBytes_FromStringAndSize(NULL, total);
+    if (tmp != NULL && copy_blocks(tmp, blocks, sizes, 1) < 0)
+        Py_CLEAR(tmp);
+    return tmp;
+}
+
+/* unpack(): the staged output into its blocks; self = (tmp, blocks, sizes) */
+static PyObject *unpack_call(PyObject *self, PyObject *unused)
+{
+    if (copy_blocks(PyTuple_GET_ITEM(self, 0), PyTuple_GET_ITEM(self, 1),
+                    PyTuple_GET_ITEM(self, 2), 0) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef unpack_def = {"unpack", unpack_call, METH_NOARGS,
+                                 "unpack(): copy a staged output into its blocks"};
+
+/* The ``unpack`` of a temporary (a new reference, or NULL). */
+static PyObject *unpacker(PyObject *tmp, PyObject *blocks, PyObject *sizes)
+{
+    PyObject *self = PyTuple_Pack(3, tmp, blocks, sizes), *f;
+    if (self == NULL)
+        return NULL;
+    f = PyCFunction_New(&unpack_def, self);
+    Py_DECREF(self);
+    return f;
+}
+
+/* After the issue of a list form that returned ``rc``: None if the request completed
+ * within ``spin`` (``unpack``, if any, run), else its Work, which keeps ``keep`` (the
+ * temporaries, the counts MPI reads) until it completes and runs ``unpack`` then
+ * (``finalizers``); a failed one as ``finish``'s. Borrows its arguments. */
+static PyObject *finish_staged(int rc, MPI_Request req, double spin, PyObject *unpack,
+                               PyObject *keep)
+{
+    int flag;
+    PyObject *w, *r;
+    if (rc != MPI_SUCCESS)
+        return failed_work(work_cls, MPI_REQUEST_NULL, NULL, NULL, rc);
+    rc = poll(&req, spin, MPI_STATUS_IGNORE, &flag);
+    if (rc != MPI_SUCCESS)
+        return failed_work(work_cls, req, NULL, keep, rc);
+    if (flag) {
+        if (unpack == NULL)
+            Py_RETURN_NONE;
+        if ((r = PyObject_CallNoArgs(unpack)) == NULL)
+            return NULL;
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    if ((w = new_work(work_cls, req, NULL, keep)) == NULL)
+        return NULL;
+    if (unpack != NULL) {
+        PyObject *fins = PyTuple_Pack(1, unpack);
+        if (fins == NULL) {
+            Py_DECREF(w);
+            return NULL;
+        }
+        Py_XSETREF(WORK(w)->finalizers, fins);
+    }
+    return w;
+}
+
+/* The staging of one side of ``n`` blocks of ``count`` elements of ``isz`` bytes: a new
+ * temporary (packed where ``in``) and, for an output, its ``unpack``. 0, or -1. */
+static int stage_even(PyObject *blocks, Py_ssize_t n, Py_ssize_t count, int isz, int in,
+                      PyObject **tmp, PyObject **unpack)
+{
+    PyObject *sizes;
+    if (PyTuple_GET_SIZE(blocks) != n) {
+        PyErr_SetString(PyExc_ValueError, "mpi_fast: one block per rank of the group");
+        return -1;
+    }
+    if ((sizes = PyLong_FromSsize_t(count * isz)) == NULL)
+        return -1;
+    *tmp = in ? pack(blocks, sizes, n * count * isz)
+              : PyBytes_FromStringAndSize(NULL, n * count * isz);
+    if (*tmp != NULL && !in && (*unpack = unpacker(*tmp, blocks, sizes)) == NULL)
+        Py_CLEAR(*tmp);
+    Py_DECREF(sizes);
+    return *tmp == NULL ? -1 : 0;
+}
+
+/* The group size and the datatype's size (0 on an MPI error: the caller refuses). */
+static int sizes_of(handle_t comm, handle_t dtype, int *n, int *isz)
+{
+    return MPI_Comm_size(COMM(comm), n) == MPI_SUCCESS
+           && MPI_Type_size(TYPE(dtype), isz) == MPI_SUCCESS;
+}
+
+/* allgather(comm, dtype, spin, out, inp, count): count per rank; ``out`` an address,
+ * or a tuple of the group's block addresses (staged: the list form) */
+static PyObject *allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double spin;
+    void *out = NULL, *inp;
+    handle_t comm, dtype;
+    Py_ssize_t count;
+    int rc, n, isz;
+    PyObject *o, *tmp = NULL, *un = NULL, *res;
+    MPI_Request req;
+    if (!parse(args, nargs, "KKdOO&n", &comm, &dtype, &spin, &o, address, &inp, &count))
+        return NULL;
+    if (!PyTuple_Check(o)) {
+        if (!address(o, &out))
+            return NULL;
+        rc = MPI_Iallgather_c(count ? inp : NULL, (MPI_Count)count, TYPE(dtype),
+                              count ? out : NULL, (MPI_Count)count, TYPE(dtype), COMM(comm),
+                              &req);
+        return finish(rc, req, spin);
+    }
+    if (!sizes_of(comm, dtype, &n, &isz))
+        Py_RETURN_FALSE;
+    if (stage_even(o, n, count, isz, 0, &tmp, &un) < 0)
+        return NULL;
+    rc = MPI_Iallgather_c(count ? inp : NULL, (MPI_Count)count, TYPE(dtype),
+                          count ? PyBytes_AS_STRING(tmp) : NULL, (MPI_Count)count, TYPE(dtype),
+                          COMM(comm), &req);
+    res = finish_staged(rc, req, spin, un, tmp);
+    Py_DECREF(tmp);
+    Py_DECREF(un);
+    return res;
+}
+
+/* reduce_scatter(comm, dtype, op, spin, out, inp, count): count per rank; ``inp`` an
+ * address, or a tuple of the group's block addresses (packed: the list form) */
 static PyObject *reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double spin;
-    void *out, *inp;
+    void *out, *inp = NULL;
     handle_t comm, dtype, op;
     Py_ssize_t count;
-    int rc;
+    int rc, n, isz;
+    PyObject *o, *tmp = NULL, *res;
     MPI_Request req;
-    if (!parse(args, nargs, "KKKdO&O&n", &comm, &dtype, &op, &spin, address, &out, address,
-                          &inp, &count))
+    if (!parse(args, nargs, "KKKdO&On", &comm, &dtype, &op, &spin, address, &out, &o, &count))
         return NULL;
-    rc = MPI_Ireduce_scatter_block_c(count ? inp : NULL, count ? out : NULL, (MPI_Count)count,
-                                     TYPE(dtype), OP(op), COMM(comm), &req);
-    return finish(rc, req, spin);
+    if (!PyTuple_Check(o)) {
+        if (!address(o, &inp))
+            return NULL;
+        rc = MPI_Ireduce_scatter_block_c(count ? inp : NULL, count ? out : NULL,
+                                         (MPI_Count)count, TYPE(dtype), OP(op), COMM(comm),
+                                         &req);
+        return finish(rc, req, spin);
+    }
+    if (!sizes_of(comm, dtype, &n, &isz))
+        Py_RETURN_FALSE;
+    if (stage_even(o, n, count, isz, 1, &tmp, NULL) < 0)
+        return NULL;
+    rc = MPI_Ireduce_scatter_block_c(count ? PyBytes_AS_STRING(tmp) : NULL, count ? out : NULL,
+                                     (MPI_Count)count, TYPE(dtype), OP(op), COMM(comm), &req);
+    res = finish_staged(rc, req, spin, NULL, tmp);
+    Py_DECREF(tmp);
+    return res;
+}
+
+/* gather(comm, dtype, root, is_root, spin, out, inp, count): count per rank; at the
+ * root ``out`` is an address or a tuple of the group's block addresses (staged),
+ * elsewhere ignored */
+static PyObject *gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double spin;
+    void *out = NULL, *inp;
+    handle_t comm, dtype;
+    Py_ssize_t count;
+    int root, is_root, rc, n, isz;
+    PyObject *o, *tmp = NULL, *un = NULL, *res;
+    MPI_Request req;
+    if (!parse(args, nargs, "KKipdOO&n", &comm, &dtype, &root, &is_root, &spin, &o, address,
+               &inp, &count))
+        return NULL;
+    if (is_root && PyTuple_Check(o)) {
+        if (!sizes_of(comm, dtype, &n, &isz))
+            Py_RETURN_FALSE;
+        if (stage_even(o, n, count, isz, 0, &tmp, &un) < 0)
+            return NULL;
+        out = PyBytes_AS_STRING(tmp);
+    } else if (is_root && !address(o, &out)) {
+        return NULL;
+    }
+    rc = MPI_Igather_c(count ? inp : NULL, (MPI_Count)count, TYPE(dtype),
+                       is_root && count ? out : NULL, (MPI_Count)count, TYPE(dtype), root,
+                       COMM(comm), &req);
+    if (tmp == NULL)
+        return finish(rc, req, spin);
+    res = finish_staged(rc, req, spin, un, tmp);
+    Py_DECREF(tmp);
+    Py_DECREF(un);
+    return res;
+}
+
+/* scatter(comm, dtype, root, is_root, spin, out, inp, count): count per rank; at the
+ * root ``inp`` is an address or a tuple of the group's block addresses (packed),
+ * elsewhere ignored */
+static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double spin;
+    void *out, *inp = NULL;
+    handle_t comm, dtype;
+    Py_ssize_t count;
+    int root, is_root, rc, n, isz;
+    PyObject *o, *tmp = NULL, *res;
+    MPI_Request req;
+    if (!parse(args, nargs, "KKipdO&On", &comm, &dtype, &root, &is_root, &spin, address, &out,
+               &o, &count))
+        return NULL;
+    if (is_root && PyTuple_Check(o)) {
+        if (!sizes_of(comm, dtype, &n, &isz))
+            Py_RETURN_FALSE;
+        if (stage_even(o, n, count, isz, 1, &tmp, NULL) < 0)
+            return NULL;
+        inp = PyBytes_AS_STRING(tmp);
+    } else if (is_root && !address(o, &inp)) {
+        return NULL;
+    }
+    rc = MPI_Iscatter_c(is_root && count ? inp : NULL, (MPI_Count)count, TYPE(dtype),
+                        count ? out : NULL, (MPI_Count)count, TYPE(dtype), root, COMM(comm),
+                        &req);
+    if (tmp == NULL)
+        return finish(rc, req, spin);
+    res = finish_staged(rc, req, spin, NULL, tmp);
+    Py_DECREF(tmp);
+    return res;
+}
+
+/* One side of a list all-to-all: element counts from ``counts`` (a tuple of n ints >= 0)
+ * and where its blocks lie. 1: MPI can address them as they are, from ``*base`` with
+ * ``displs`` in elements (every non-empty block on an element boundary from the
+ * lowest, and for an output (``ordered``) in list order without overlaps); 0: they
+ * must be staged (``displs`` left to the caller); -1: an error (raised), or counts of
+ * another kind (``*bad`` set, nothing raised). ``*lo``/``*hi``: the span of the
+ * non-empty blocks (equal where there are none). */
+static int side_of(PyObject *blocks, PyObject *counts, int n, int isz, int ordered,
+                   MPI_Count *cnt, MPI_Aint *displs, char **base, char **lo, char **hi,
+                   int *bad)
+{
+    Py_ssize_t i, c;
+    char *a, *prev = NULL;
+    int fits = 1;
+    *lo = *hi = NULL;
+    if (!PyTuple_Check(blocks) || !PyTuple_Check(counts) || PyTuple_GET_SIZE(blocks) != n
+        || PyTuple_GET_SIZE(counts) != n) {
+        *bad = 1;
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        c = PyLong_Check(PyTuple_GET_ITEM(counts, i)) ? PyLong_AsSsize_t(PyTuple_GET_ITEM(counts, i)) : -1;
+        if (c < 0) {
+            PyErr_Clear();
+            *bad = 1;
+            return -1;
+        }
+        cnt[i] = (MPI_Count)c;
+        if (!c)
+            continue;
+        if (block_at(blocks, i, &a) < 0)
+            return -1;
+        if (ordered && prev != NULL && a < prev)
+            fits = 0;
+        prev = a + c * isz;
+        if (*lo == NULL || a < *lo)
+            *lo = a;
+        if (a + c * isz > *hi)
+            *hi = a + c * isz;
+    }
+    for (i = 0; fits && i < n; i++) {
+        displs[i] = 0;
+        if (cnt[i]) {
+            block_at(blocks, i, &a);
+            if ((a - *lo) % isz)
+                fits = 0;
+            displs[i] = (MPI_Aint)((a - *lo) / isz);
+        }
+    }
+    *base = *lo;
+    return fits;
+}
+
+/* Displacements of consecutive blocks; the side's total bytes, and its sizes tuple in
+ * bytes (a new reference) in ``*sizes``. -1 on an error. */
+static Py_ssize_t packed(const MPI_Count *cnt, int n, int isz, MPI_Aint *displs,
+                         PyObject **sizes)
+{
+    Py_ssize_t total = 0;
+    int i;
+    if ((*sizes = PyTuple_New(n)) == NULL)
+        return -1;
+    for (i = 0; i < n; i++) {
+        PyObject *s = PyLong_FromSsize_t((Py_ssize_t)cnt[i] * isz);
+        if (s == NULL) {
+            Py_CLEAR(*sizes);
+            return -1;
+        }
+        PyTuple_SET_ITEM(*sizes, i, s);
+        displs[i] = (MPI_Aint)(total / isz);
+        total += (Py_ssize_t)cnt[i] * isz;
+    }
+    return total;
+}
+
+/* alltoall_list(comm, dtype, n, me, spin, outs, out_counts, ins, in_counts): the list
+ * all-to-all (``MPI_Ialltoallv``, as the general path issues it on its packed
+ * temporaries): ``outs``/``ins`` the tuples of the n blocks' addresses, ``*_counts``
+ * their element counts. Each side goes to MPI where it is (displacements from its
+ * lowest block) where it can (``side_of``; an input only apart from the outputs), else
+ * staged. False, with nothing sent, where counts are not n ints >= 0 or this rank's
+ * own block differs between the two sides (the general path raises its error). */
+static PyObject *alltoall_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double spin;
+    handle_t comm, dtype;
+    int n, me, rc, isz, bad = 0, direct_out, direct_in;
+    PyObject *outs, *ocs, *ins, *ics, *counts, *tmp_out = NULL, *tmp_in = NULL, *un = NULL,
+                                                  *sizes = NULL, *keep = NULL, *res = NULL;
+    MPI_Count *oc, *ic;
+    MPI_Aint *od, *id;
+    char *obase, *ibase, *olo, *ohi, *ilo, *ihi;
+    Py_ssize_t total;
+    MPI_Request req;
+    if (!parse(args, nargs, "KKiidOOOO", &comm, &dtype, &n, &me, &spin, &outs, &ocs, &ins, &ics))
+        return NULL;
+    if (n <= 0 || me < 0 || me >= n || MPI_Type_size(TYPE(dtype), &isz) != MPI_SUCCESS || isz <= 0)
+        Py_RETURN_FALSE;
+    counts = PyBytes_FromStringAndSize(NULL, 2 * (Py_ssize_t)n * (sizeof(MPI_Count) + sizeof(MPI_Aint)));
+    if (counts == NULL)
+        return NULL;
+    oc = (MPI_Count *)PyBytes_AS_STRING(counts);
+    ic = oc + n;
+    od = (MPI_Aint *)(ic + n);
+    id = od + n;
+    direct_out = side_of(outs, ocs, n, isz, 1, oc, od, &obase, &olo, &ohi, &bad);
+    if (direct_out < 0)
+        goto refuse;
+    direct_in = side_of(ins, ics, n, isz, 0, ic, id, &ibase, &ilo, &ihi, &bad);
+    if (direct_in < 0)
+        goto refuse;
+    if (oc[me] != ic[me]) {
+        bad = 1;
+        goto refuse;
+    }
+    if (!direct_out) { /* staged: received packed, copied into the blocks at completion */
+        if ((total = packed(oc, n, isz, od, &sizes)) < 0
+            || (tmp_out = PyBytes_FromStringAndSize(NULL, total)) == NULL
+            || (un = unpacker(tmp_out, outs, sizes)) == NULL)
+            goto end;
+        obase = PyBytes_AS_STRING(tmp_out);
+        Py_CLEAR(sizes);
+    } else if (direct_in && ilo < ihi && ilo < ohi && olo < ihi) {
+        direct_in = 0; /* the inputs share memory with the outputs: MPI must not read there */
+    }
+    if (!direct_in) {
+        if ((total = packed(ic, n, isz, id, &sizes)) < 0
+            || (tmp_in = pack(ins, sizes, total)) == NULL)
+            goto end;
+        ibase = PyBytes_AS_STRING(tmp_in);
+    }
+    if ((keep = PyTuple_Pack(3, counts, tmp_out ? tmp_out : Py_None, tmp_in ? tmp_in : Py_None)) == NULL)
+        goto end;
+    rc = MPI_Ialltoallv_c(ibase, ic, id, TYPE(dtype), obase, oc, od, TYPE(dtype), COMM(comm), &req);
+    res = finish_staged(rc, req, spin, un, keep);
+    goto end;
+refuse:
+    if (!bad)
+        goto end;
+    Py_INCREF(Py_False);
+    res = Py_False;
+end:
+    Py_DECREF(counts);
+    Py_XDECREF(tmp_out);
+    Py_XDECREF(tmp_in);
+    Py_XDECREF(un);
+    Py_XDECREF(sizes);
+    Py_XDECREF(keep);
+    return res;
 }
 
 /* alltoall(comm, dtype, spin, out, inp, count): count per peer */
@@ -1043,6 +1454,12 @@ static PyMethodDef methods[] = {
     {"reduce_scatter", (PyCFunction)(void (*)(void))reduce_scatter, METH_FASTCALL,
      "reduce_scatter(comm, dtype, op, spin, out, inp, count)"},
     {"alltoall", (PyCFunction)(void (*)(void))alltoall, METH_FASTCALL, "alltoall(comm, dtype, spin, out, inp, count)"},
+    {"alltoall_list", (PyCFunction)(void (*)(void))alltoall_list, METH_FASTCALL,
+     "alltoall_list(comm, dtype, n, me, spin, outs, out_counts, ins, in_counts)"},
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
+     "gather(comm, dtype, root, is_root, spin, out, inp, count)"},
+    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
+     "scatter(comm, dtype, root, is_root, spin, out, inp, count)"},
     {"alltoallv", (PyCFunction)(void (*)(void))alltoallv, METH_FASTCALL,
      "alltoallv(comm, dtype, n, me, spin, out, out_count, out_rows, inp, in_count, in_rows, "
      "out_splits, in_splits)"},
@@ -1071,7 +1488,7 @@ PyMODINIT_FUNC PyInit_mpi_fast(void)
         return NULL;
     /* what mcrdl_backends.mpi expects: raise it when the functions or their arguments
      * change, so that a module built from an older source is refused, not misused */
-    if (PyModule_AddIntConstant(m, "VERSION", 6) < 0)
+    if (PyModule_AddIntConstant(m, "VERSION", 7) < 0)
         return NULL;
 #define INTERN(v, name) if ((v = PyUnicode_InternFromString(name)) == NULL) return NULL
     INTERN(s_pending, "pending");

@@ -33,7 +33,7 @@ from mcrdl_core.dispatch import fastpath as _fp
 from mcrdl_core.dispatch.runtime import get_runtime as _rt
 
 from .exact import exact, install as _install_exact
-from .facts import one as _one, two as _two
+from .facts import many as _many, one as _one, two as _two
 from .tensors import MISS as _MISS
 from .tensors import DTYPES as _DTYPES
 from .tensors import PLAIN as _PLAIN
@@ -133,6 +133,9 @@ _K_SEND, _K_RECV, _K_BCAST, _K_REDUCE, _K_AR, _K_AG, _K_RS, _K_A2A, _K_A2AV, _K_
     f"bound:torch.{name}" for name in ("send", "recv", "broadcast", "reduce", "all_reduce",
                                        "all_gather_into_tensor", "reduce_scatter_tensor",
                                        "all_to_all_single", "all_to_all_single_v", "barrier"))
+_K_AGL, _K_RSL, _K_A2AL, _K_GATHER, _K_SCATTER = (
+    f"bound:torch.{name}" for name in ("all_gather", "reduce_scatter", "all_to_all", "gather",
+                                       "scatter"))
 
 
 def _p2p(fast, general, kind, tensor, peer, group, tag, async_op, backend):
@@ -242,8 +245,44 @@ def reduce(tensor, dst: int = 0, op=ReduceOp.SUM, group=None, async_op: bool = F
     return _core.reduce(_b(tensor), dst, op, group, async_op, backend)
 
 
+def _listed(fast, kind, lf, ptr, count, like, extra, owners, group, async_op, backend):
+    """A list form's bound call or fast entry (``fast(rt, lf, ptr, count, dtype, owners,
+    *extra, group, async_op, backend, None, key)``), or MISS: ``lf`` the list facts,
+    ``ptr``/``count`` the one tensor's (all_to_all: ``ptr`` the input's list facts)."""
+    rt = _rt()
+    key = (kind, dt := like.dtype, *extra, group, backend, async_op)
+    try:
+        bound = rt.choices.get(key)
+    except TypeError:  # an unhashable argument: the general path judges it
+        bound = key = None
+    if bound is not None:
+        done = bound(lf, ptr, count, owners)
+        if done is not _MISS:
+            return done
+    dtype = _DTYPES.get(dt)
+    if dtype is None:
+        return _MISS
+    if fast is _fp.all_to_all_list:
+        return fast(rt, lf, ptr, dtype, owners, group, async_op, backend, None, key)
+    return fast(rt, lf, ptr, count, dtype, owners, *extra, group, async_op, backend, None, key)
+
+
+def _root_list(ts, like):
+    """The list facts of a gather's or scatter's list, None where none is given, or
+    False where it is not plain tensors of ``like``'s dtype (the general path judges)."""
+    if ts is None:
+        return None
+    return _many(ts, like, _PLAIN) or False
+
+
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None,
                compression=None):
+    if compression is None and type(tensor) in _PLAIN and (f := _one(tensor)) is not None \
+            and (lf := _many(tensor_list, tensor, _PLAIN)) is not None:
+        done = _listed(_fp.all_gather_list, _K_AGL, lf, f[0], f[1], tensor, (),
+                       (tuple(tensor_list), tensor), group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.all_gather(_bs(tensor_list, "tensor_list"), _b(tensor), group, async_op, backend,
                             compression)
 
@@ -276,6 +315,12 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
                    backend=None, compression=None):
+    if compression is None and type(output) in _PLAIN and (f := _one(output)) is not None \
+            and (lf := _many(input_list, output, _PLAIN)) is not None:
+        done = _listed(_fp.reduce_scatter_list, _K_RSL, lf, f[0], f[1], output, (op,),
+                       (output, tuple(input_list)), group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.reduce_scatter(_b(output), _bs(input_list, "input_list"), op, group, async_op,
                                 backend, compression)
 
@@ -346,6 +391,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False,
                backend=None, compression=None):
+    ins = input_tensor_list
+    if compression is None and type(ins) in (list, tuple) and ins and type(ins[0]) in _PLAIN \
+            and (olf := _many(output_tensor_list, ins[0], _PLAIN)) is not None \
+            and (ilf := _many(ins, ins[0], _PLAIN)) is not None:
+        done = _listed(_fp.all_to_all_list, _K_A2AL, olf, ilf, 0, ins[0], (),
+                       (tuple(output_tensor_list), tuple(ins)), group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.all_to_all(_bs(output_tensor_list, "output_tensor_list"),
                             _bs(input_tensor_list, "input_tensor_list"), group, async_op, backend,
                             compression)
@@ -353,13 +406,49 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
 
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            backend=None):
+    if type(tensor) in _PLAIN and (f := _one(tensor)) is not None \
+            and (lf := _root_list(gather_list, tensor)) is not False:
+        done = _listed(_fp.gather, _K_GATHER, lf, f[0], f[1], tensor, (dst,),
+                       (tensor, gather_list and tuple(gather_list)), group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.gather(_b(tensor), _bs(gather_list, "gather_list"), dst, group, async_op, backend)
 
 
 def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
             backend=None):
+    if type(tensor) in _PLAIN and (f := _one(tensor)) is not None \
+            and (lf := _root_list(scatter_list, tensor)) is not False:
+        done = _listed(_fp.scatter, _K_SCATTER, lf, f[0], f[1], tensor, (src,),
+                       (tensor, scatter_list and tuple(scatter_list)), group, async_op, backend)
+        if done is not _MISS:
+            return done
     return _core.scatter(_b(tensor), _bs(scatter_list, "scatter_list"), src, group, async_op,
                          backend)
+
+
+P2POp = _core.P2POp
+
+
+def batch_isend_irecv(p2p_op_list, backend=None) -> list:
+    """torch.distributed's ``batch_isend_irecv`` (``mcrdl_core.batch_isend_irecv``):
+    one Work per op. Where every op is a ``P2POp`` of a plain contiguous CPU tensor on
+    one group, the ops go to the core's fast path on their tensors' facts
+    (``fastpath.batch``); otherwise, or where it steps aside, to the core's call."""
+    ops = p2p_op_list
+    if type(ops) is list and ops and type(ops[0]) is P2POp:
+        group = ops[0].group
+        items = []
+        for o in ops:
+            t = o.tensor if type(o) is P2POp and o.group is group else None
+            if type(t) not in _PLAIN or (f := _one(t)) is None:
+                break
+            items.append((o.is_send, f[0], f[1], _DTYPES.get(t.dtype), o.peer, o.tag, t))
+        else:
+            done = _fp.batch(_rt(), items, group, backend)
+            if done is not _MISS:
+                return done
+    return _core.batch_isend_irecv(p2p_op_list, backend)
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, backend=None):

@@ -116,10 +116,94 @@ PyObject *two(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
+// Whether ``o``'s type is one of the tuple ``types`` (exactly: not a subclass)
+bool of_types(PyObject *o, PyObject *types)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++)
+        if ((PyObject *)Py_TYPE(o) == PyTuple_GET_ITEM(types, i))
+            return true;
+    return false;
+}
+
+// many(ts, like, types): the list facts of a list or tuple ``ts`` of tensors, each of a
+// type in ``types`` (exactly), plain and of ``like``'s dtype: (addresses, element counts, the common count or -1, run, lo, hi),
+// ``run`` True where each starts where the previous one ends (list order, n >= 1),
+// ``[lo, hi)`` the span of the non-empty ones (0, 0 if none); else None
+PyObject *many(PyObject *, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "many(tensors, like, types: tuple)");
+        return nullptr;
+    }
+    PyObject *ts = args[0], *types = args[2];
+    if ((!PyList_Check(ts) && !PyTuple_Check(ts)) || !THPVariable_Check(args[1]))
+        Py_RETURN_NONE;
+    try {
+        const at::Tensor &like = THPVariable_Unpack(args[1]);
+        if (!like.defined())
+            Py_RETURN_NONE;
+        auto kind = like.scalar_type();
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(ts);
+        PyObject **items = PySequence_Fast_ITEMS(ts);
+        PyObject *ptrs = PyTuple_New(n), *counts = PyTuple_New(n);
+        if (ptrs == nullptr || counts == nullptr) {
+            Py_XDECREF(ptrs);
+            Py_XDECREF(counts);
+            return nullptr;
+        }
+        long long common = -1;
+        bool run = n > 0;
+        uintptr_t next = 0, lo = 0, hi = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const at::Tensor *t = of_types(items[i], types) ? plain(items[i]) : nullptr;
+            if (t == nullptr || t->scalar_type() != kind) {
+                Py_DECREF(ptrs);
+                Py_DECREF(counts);
+                Py_RETURN_NONE;
+            }
+            uintptr_t p = (uintptr_t)t->const_data_ptr();
+            long long c = (long long)t->numel();
+            uintptr_t end = p + (uintptr_t)(c * (long long)t->element_size());
+            PyObject *a = PyLong_FromVoidPtr((void *)p), *k = integer(c);
+            if (a == nullptr || k == nullptr) {
+                Py_XDECREF(a);
+                Py_XDECREF(k);
+                Py_DECREF(ptrs);
+                Py_DECREF(counts);
+                return nullptr;
+            }
+            PyTuple_SET_ITEM(ptrs, i, a);
+            PyTuple_SET_ITEM(counts, i, k);
+            if (i == 0)
+                common = c;
+            else if (c != common)
+                common = -1;
+            if (i && p != next)
+                run = false;
+            next = end;
+            if (c) {
+                if (lo == hi)
+                    lo = p, hi = end;
+                else
+                    lo = p < lo ? p : lo, hi = end > hi ? end : hi;
+            }
+        }
+        if (n == 0)
+            common = -1;
+        return pack({ptrs, counts, integer(common), PyBool_FromLong(run),
+                     PyLong_FromVoidPtr((void *)lo), PyLong_FromVoidPtr((void *)hi)});
+    } catch (const std::exception &e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }
+}
+
 PyMethodDef methods[] = {
     {"one", (PyCFunction)(void (*)(void))one, METH_FASTCALL, "one(tensor): (address, numel) or None"},
     {"two", (PyCFunction)(void (*)(void))two, METH_FASTCALL,
      "two(output, input): (address, numel, dim 0) of each, or None"},
+    {"many", (PyCFunction)(void (*)(void))many, METH_FASTCALL,
+     "many(tensors, like, types): the list facts of tensors of like's dtype, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "tensor_facts",
@@ -136,7 +220,7 @@ PyMODINIT_FUNC PyInit_tensor_facts(void)
     // what the frontend checks before it uses the module: the torch it was built
     // against, and the version of this file's calls
     if (PyModule_AddStringConstant(m, "TORCH_VERSION", MCRDL_TORCH_VERSION) < 0
-        || PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
+        || PyModule_AddIntConstant(m, "VERSION", 3) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

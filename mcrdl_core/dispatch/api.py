@@ -259,6 +259,11 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     outs = [_v.output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
     inp = _v.input(tensor, "tensor")
     _v.same_kind(outs + [inp], "all_gather")
+    if compression is None and inp.device.kind == "cpu":
+        done = _fast.all_gather_list(get_runtime(), _fast.list_facts(outs), inp.ptr, inp.numel,
+                                     inp.dtype, (outs, inp), group, async_op, backend, inp)
+        if done is not _fast.MISS:
+            return done
 
     def check(g, c):
         if len(outs) != g.size:
@@ -316,6 +321,12 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     out = _v.output(output, "output")
     ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
     _v.same_kind([out] + ins, "reduce_scatter")
+    if compression is None and out.device.kind == "cpu":
+        done = _fast.reduce_scatter_list(get_runtime(), _fast.list_facts(ins), out.ptr,
+                                         out.numel, out.dtype, (out, ins), op, group, async_op,
+                                         backend, out)
+        if done is not _fast.MISS:
+            return done
 
     def check(g, c):
         if len(ins) != g.size:
@@ -389,6 +400,12 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     if not outs or not ins:
         raise _v.InvalidArgumentError("all_to_all: tensor lists must not be empty")
     _v.same_kind(outs + ins, "all_to_all")
+    if compression is None and ins[0].device.kind == "cpu":
+        done = _fast.all_to_all_list(get_runtime(), _fast.list_facts(outs),
+                                     _fast.list_facts(ins), ins[0].dtype, (outs, ins), group,
+                                     async_op, backend, ins[0])
+        if done is not _fast.MISS:
+            return done
     out_counts = [b.numel for b in outs]
     in_counts = [b.numel for b in ins]
     # no selection size: the list form has none that every rank shares (a rank whose
@@ -442,10 +459,33 @@ def _root_list(call, g, root, tensors, make, one, what, role, one_name):
     return bufs
 
 
+def _root_facts(tensors, make, what: str, one: Buffer):
+    """(list facts, Buffers) of a gather's or scatter's list for the fast path, or None
+    where none is given or it is not host buffers of ``one``'s dtype that convert: the
+    list counts at the root only, where the general path then judges it (elsewhere it
+    is ignored, as the general path ignores it)."""
+    if tensors is None:
+        return None
+    try:
+        bufs = [make(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
+    except Exception:  # (judged by the general path where it counts: at the root)
+        return None
+    if any(b.dtype is not one.dtype for b in bufs):
+        return None
+    lf = _fast.list_facts(bufs)
+    return None if lf is None else (lf, bufs)
+
+
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            backend=None):
     """Gather ``tensor`` from every rank into ``gather_list`` on ``dst`` (ignored elsewhere)."""
     inp = _v.input(tensor, "tensor")
+    if inp.device.kind == "cpu":
+        facts = _root_facts(gather_list, _v.output, "gather_list", inp)
+        done = _fast.gather(get_runtime(), facts and facts[0], inp.ptr, inp.numel, inp.dtype,
+                            (inp, facts), dst, group, async_op, backend, inp)
+        if done is not _fast.MISS:
+            return done
 
     listed = []  # the checked gather_list (the root's; empty elsewhere), for issue
 
@@ -473,6 +513,12 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
             backend=None):
     """Scatter ``scatter_list`` (given on ``src``) into ``tensor`` on every rank."""
     out = _v.output(tensor, "tensor")
+    if out.device.kind == "cpu":
+        facts = _root_facts(scatter_list, _v.input, "scatter_list", out)
+        done = _fast.scatter(get_runtime(), facts and facts[0], out.ptr, out.numel, out.dtype,
+                             (out, facts), src, group, async_op, backend, out)
+        if done is not _fast.MISS:
+            return done
 
     listed = []  # the checked scatter_list (the root's; empty elsewhere), for issue
 

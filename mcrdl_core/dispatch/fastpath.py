@@ -357,6 +357,8 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
         # its error: its wait raises it)
         if not done or getattr(req, "error", None) is not None:
             be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).wait()
+        elif getattr(req, "finalizers", None):  # a staged output: into its blocks now
+            be.fast_work(op, g, req, ((rlo, rhi, False), (wlo, whi, True)), keep).complete()
         if record is not None:
             record()
         return req.source() if source else None
@@ -544,6 +546,269 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
     if bind is not None and _binds(rt.choices, bind):  # (size 0: one plan for all)
         _bind(rt, bind, plan, Op.BARRIER, g, backend, (), _bind_barrier, async_op)
     return _run(rt, plan, Op.BARRIER, g, (), (), async_op, 0, 0, 0, 0, 0)
+
+
+# --- list forms, gather, scatter ----------------------------------------------------------
+# all_gather (a list of outputs), reduce_scatter (a list of inputs), all_to_all (lists of
+# both), gather and scatter (the root's list): their entries take the list side as
+# *list facts*, ``(addresses, element counts, the common count or -1, run, lo, hi)`` of
+# the list's tensors (``run``: one after another in list order, each where the previous
+# one ends; ``[lo, hi)``: the span of the non-empty ones), as mcrdl_torch reads them in
+# one C call and ``list_facts`` reads them off Buffers. They issue the general path's
+# library call (the same key, plan and issuer as all_gather_into_tensor and
+# reduce_scatter_tensor for the first two; all_to_all's is MPI_Ialltoallv with no
+# selection size, as the general path's), on the list's memory as it is where MPI can
+# take it (a run apart from the other side; all_to_all's blocks by displacements), else
+# staged in the compiled issuer (``mpi_fast.c``): packed before the issue, copied into
+# the blocks when the request completes (a finalizer of its Work when it is async or
+# outlasts the spin). Staging is compiled only: without the compiled module these forms
+# take the general path. A list of the wrong length or of sizes that disagree is a
+# MISS, and the general path raises its error before anything is sent. Memory ordering
+# uses the span ``[lo, hi)`` of the list (conservative: it may cover memory between the
+# blocks).
+_T_LIST = "fast:all_to_all_list"
+
+
+def list_facts(bufs):
+    """The list facts of host Buffers that are contiguous (the general path's), or None
+    where one is not host memory."""
+    ptrs, counts = [], []
+    run, nxt, lo, hi = True, None, 0, 0
+    for b in bufs:
+        if b.device.kind != "cpu":
+            return None
+        p, c = b.ptr, b.numel
+        ptrs.append(p)
+        counts.append(c)
+        if nxt is not None and p != nxt:
+            run = False
+        nxt = p + b.nbytes
+        if c:
+            lo, hi = (p, nxt) if lo == hi else (min(lo, p), max(hi, nxt))
+    common = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
+    return tuple(ptrs), tuple(counts), common, run and bool(ptrs), lo, hi
+
+
+def _apart_of(lo, hi, ptr, nbytes) -> bool:
+    return not nbytes or lo == hi or hi <= ptr or ptr + nbytes <= lo
+
+
+def _blocks(ptrs, sizes, writes):
+    """The spans of the blocks at ``ptrs``, of ``sizes`` bytes (an int: every block's)."""
+    if sizes.__class__ is int:
+        return tuple([(p, p + sizes, writes) for p in ptrs])
+    return tuple([(p, p + s, writes) for p, s in zip(ptrs, sizes)])
+
+
+def _prep_gathered(fixed, lf, ptr, count, exact=False):
+    """all_gather's list (``fixed``: (n, item size, True)) and gather's (its third item
+    True at the root only; elsewhere the list is ignored): (args, spans, logged bytes)
+    for ``(out, inp, count)``, or None for a list that does not fit. The spans give the
+    list's span ``[lo, hi)``, or each block where ``exact`` and the blocks are not one
+    run (for the memory checks against work in flight: a span over other memory
+    between the blocks would order the call after work that does not touch them)."""
+    n, isz, mine = fixed
+    blk = count * isz
+    if not mine:
+        return (None, ptr, count), ((ptr, ptr + blk, False), (0, 0, True)), n * blk
+    if lf is None:
+        return None
+    ptrs, _, common, run, lo, hi = lf
+    if len(ptrs) != n or common != count:
+        return None
+    out = ptrs[0] if run and _apart_of(lo, hi, ptr, blk) else ptrs
+    if exact and not run:
+        return (out, ptr, count), ((ptr, ptr + blk, False), *_blocks(ptrs, blk, True)), n * blk
+    return (out, ptr, count), ((ptr, ptr + blk, False), (lo, hi, True)), n * blk
+
+
+def _prep_scattered(fixed, lf, ptr, count, exact=False):
+    """reduce_scatter's list and scatter's (as ``_prep_gathered``, the list being read):
+    (args, spans, logged bytes) for ``(out, inp, count)``, or None."""
+    n, isz, mine = fixed
+    blk = count * isz
+    if not mine:
+        return (ptr, None, count), ((0, 0, False), (ptr, ptr + blk, True)), n * blk
+    if lf is None:
+        return None
+    ptrs, _, common, run, lo, hi = lf
+    if len(ptrs) != n or common != count:
+        return None
+    inp = ptrs[0] if run and _apart_of(lo, hi, ptr, blk) else ptrs
+    if exact and not run:
+        return (ptr, inp, count), (*_blocks(ptrs, blk, False), (ptr, ptr + blk, True)), n * blk
+    return (ptr, inp, count), ((lo, hi, False), (ptr, ptr + blk, True)), n * blk
+
+
+def _prep_exchanged(fixed, olf, ilf, _=None, exact=False):
+    """all_to_all's two lists: (args, spans, logged bytes) for ``(outs, out_counts, ins,
+    in_counts)`` (the issuer judges the counts), or None; spans as ``_prep_gathered``'s."""
+    n, isz, _ = fixed
+    if olf is None or ilf is None:
+        return None
+    optrs, ocounts, _, _, olo, ohi = olf
+    iptrs, icounts, _, _, ilo, ihi = ilf
+    if len(optrs) != n or len(iptrs) != n:
+        return None
+    if exact:
+        spans = (*_blocks(iptrs, [c * isz for c in icounts], False),
+                 *_blocks(optrs, [c * isz for c in ocounts], True))
+    else:
+        spans = ((ilo, ihi, False), (olo, ohi, True))
+    return (optrs, ocounts, iptrs, icounts), spans, sum(icounts) * isz
+
+
+def _listed(rt, plan, op, g, prep, fixed, x, y, z, owners, async_op, backend, bind, size,
+            dtype, key_args=()):
+    """Run a list form's call (``prep(fixed, x, y, z)``'s), binding the frontend key
+    ``bind`` first (``size``: the selection size, None where there is none). Async, or
+    with other work in flight, it is issued and registered by the backend's launch
+    against exact spans (a conflict is a MISS), and a blocking one then waited."""
+    if plan is None or plan[3] is None:  # (staging is compiled only)
+        return MISS
+    if bind is not None and _binds(rt.choices, bind, size):
+        _bind(rt, bind, plan, op, g, backend, key_args, _bind_listed, op, prep, fixed,
+              async_op, sized=None if size is None else (size, dtype))
+    eng = rt.engine
+    if async_op or eng.inflight:
+        if eng.pending or rt.logger.enabled:
+            return MISS  # (the general path orders, records)
+        args, spans, _ = prep(fixed, x, y, z, True)
+        work = plan[0].fast_launch(op, g, plan[1], args, spans, owners, eng)
+        if work is None or async_op:
+            return MISS if work is None else work
+        work.wait()
+        return None
+    args, ((rlo, rhi, _), (wlo, whi, _)), nbytes = prep(fixed, x, y, z)
+    return _run(rt, plan, op, g, args, owners, async_op, nbytes, rlo, rhi, wlo, whi)
+
+
+def all_gather_list(rt, lf, in_ptr, in_count, dtype, owners, group, async_op, backend,
+                    buf=None, bind=None):
+    """``all_gather(tensor_list, tensor)``: ``in_count`` elements at ``in_ptr`` from every
+    rank into the blocks of list facts ``lf``."""
+    if rt.observed or _ENV.get(_COMPRESSION):
+        return MISS
+    g = rt.group(group)
+    fixed = (g.size, dtype.itemsize, True)
+    if _prep_gathered(fixed, lf, in_ptr, in_count) is None:
+        return MISS
+    blk = in_count * dtype.itemsize
+    plan = _lookup(rt, _T[Op.ALL_GATHER], g, dtype, backend, None, blk, buf,
+                   (Op.ALL_GATHER, g, buf, backend, None))
+    return _listed(rt, plan, Op.ALL_GATHER, g, _prep_gathered, fixed, lf, in_ptr, in_count,
+                   owners, async_op, backend, bind, blk, dtype)
+
+
+def reduce_scatter_list(rt, lf, out_ptr, out_count, dtype, owners, op, group, async_op,
+                        backend, buf=None, bind=None):
+    """``reduce_scatter(output, input_list)``: the blocks of list facts ``lf`` reduced
+    across ranks, this rank's into ``out_count`` elements at ``out_ptr``."""
+    if rt.observed or _ENV.get(_COMPRESSION):
+        return MISS
+    g = rt.group(group)
+    fixed = (g.size, dtype.itemsize, True)
+    if _prep_scattered(fixed, lf, out_ptr, out_count) is None:
+        return MISS
+    blk = out_count * dtype.itemsize
+    plan = _lookup(rt, _T[Op.REDUCE_SCATTER], g, dtype, backend, op, blk, buf,
+                   (Op.REDUCE_SCATTER, g, buf, backend, op))
+    return _listed(rt, plan, Op.REDUCE_SCATTER, g, _prep_scattered, fixed, lf, out_ptr,
+                   out_count, owners, async_op, backend, bind, blk, dtype, (op,))
+
+
+def all_to_all_list(rt, olf, ilf, dtype, owners, group, async_op, backend, buf=None,
+                    bind=None):
+    """``all_to_all(output_tensor_list, input_tensor_list)``: selected with no size, as
+    the general path does (``api.all_to_all``), on every rank alike."""
+    if rt.observed or _ENV.get(_COMPRESSION):
+        return MISS
+    g = rt.group(group)
+    fixed = (g.size, dtype.itemsize, True)
+    if _prep_exchanged(fixed, olf, ilf) is None:
+        return MISS
+    plan = _lookup(rt, _T_LIST, g, dtype, backend, None, None, buf,
+                   (Op.ALL_TO_ALL, g, buf, backend, None, "list", None))
+    return _listed(rt, plan, Op.ALL_TO_ALL, g, _prep_exchanged, fixed, olf, ilf, None, owners,
+                   async_op, backend, bind, None, dtype)
+
+
+def _rooted(rt, op, prep, lf, ptr, count, dtype, owners, root, what, group, async_op, backend,
+            buf, bind):
+    """gather (``prep``: ``_prep_gathered``) and scatter: ``lf`` the list facts of the
+    root's list (None: none given; ignored elsewhere), ``root`` a global rank."""
+    if rt.observed:
+        return MISS
+    g = rt.group(group)
+    rank = g.group_rank(root, what)
+    fixed = (g.size, dtype.itemsize, g.rank == rank)
+    if prep(fixed, lf, ptr, count) is None:
+        return MISS
+    blk = count * dtype.itemsize
+    plan = _lookup(rt, _T[op], g, dtype, backend, rank, blk, buf, (op, g, buf, backend, None, rank))
+    return _listed(rt, plan, op, g, prep, fixed, lf, ptr, count, owners, async_op, backend, bind,
+                   blk, dtype, (root,))
+
+
+def gather(rt, lf, in_ptr, in_count, dtype, owners, dst, group, async_op, backend, buf=None,
+           bind=None):
+    """``gather(tensor, gather_list, dst)``: ``lf`` the list facts of ``gather_list``
+    (read at the root only; None: none given)."""
+    return _rooted(rt, Op.GATHER, _prep_gathered, lf, in_ptr, in_count, dtype, owners, dst,
+                   "dst", group, async_op, backend, buf, bind)
+
+
+def scatter(rt, lf, out_ptr, out_count, dtype, owners, src, group, async_op, backend,
+            buf=None, bind=None):
+    """``scatter(tensor, scatter_list, src)``: ``lf`` the list facts of ``scatter_list``
+    (read at the root only; None: none given)."""
+    return _rooted(rt, Op.SCATTER, _prep_scattered, lf, out_ptr, out_count, dtype, owners, src,
+                   "src", group, async_op, backend, buf, bind)
+
+
+def batch(rt, items, group, backend, bufs=None):
+    """``batch_isend_irecv`` of ``items``, ``(sends, ptr, count, dtype, peer (global),
+    tag, owner)`` each: every op planned as a single isend/irecv of its buffer is (the
+    same memo: a message's two ends select alike, from the table's "send" entry), then
+    all issued and registered (``fast_launch``), one Work each. MISS, before anything is
+    issued, where any op cannot go (no compiled issuer, a tag that is not a user's, a
+    peer outside the group, memory that conflicts with work in flight or with another op
+    of the batch where one of them writes, an observer or the logger on, deferred
+    work): the general path then checks, orders and issues the batch. ``bufs``: the
+    general path's Buffers, which fill the memo."""
+    if rt.observed or rt.logger.enabled:
+        return MISS
+    g = rt.group(group)
+    eng = rt.engine
+    if eng.pending:
+        return MISS
+    todo = []
+    spans = []
+    for i, (sends, ptr, count, dtype, peer, tag, owner) in enumerate(items):
+        if dtype is None or not _user_tag(tag):
+            return MISS
+        try:
+            p = g.group_rank(peer)
+        except _v.InvalidArgumentError:  # (the general path raises it, naming the op)
+            return MISS
+        op = Op.SEND if sends else Op.RECV
+        end = ptr + count * dtype.itemsize
+        buf = None if bufs is None else bufs[i]
+        plan = _lookup(rt, _T[op], g, dtype, backend, None, end - ptr, buf, (op, g, buf, backend))
+        if plan is None or plan[3] is None:
+            return MISS
+        for lo, hi, writes in spans:  # within the batch
+            if (writes or not sends) and lo < end and ptr < hi:
+                return MISS
+        span = (ptr, end, not sends)
+        spans.append(span)
+        todo.append((plan, op, (ptr, count, p, tag), (span,), (owner,)))
+    if eng.inflight and _conflicts(eng.inflight, spans):
+        return MISS
+    works = []
+    for (be, issue, _, _), op, args, span, keep in todo:
+        works.append(be.fast_launch(op, g, issue, args, span, keep, eng))
+    return works
 
 
 
@@ -815,14 +1080,23 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     def call(ptr, count, tag, owner):
         logging_on = rt.logger.enabled
         if (not _user_tag(tag) or rt.unusable is not None or g.broken is not None
-                or rt.observed or (not async_op and eng.inflight) or eng.pending
-                or (async_op and logging_on)):
+                or rt.observed or eng.pending or (async_op and logging_on)):
             return MISS
         end = ptr + count * isz
-        if async_op:  # (a receive's Work has the source as ``value``)
+        if async_op or eng.inflight:  # (a receive's Work has the source as ``value``)
             work = launch(op, g, issue, (ptr, count, peer, tag), ((ptr, end, receives),),
                           (owner,), eng)
-            return MISS if work is None else work
+            if work is None or async_op:
+                return MISS if work is None else work
+            # blocking with other work in flight: registered like an async call (its
+            # memory checked against what is in flight), then waited (the compiled spin
+            # while every work in flight is MPI's, else the engine's wait)
+            if logging_on:
+                t0 = _now()
+            work.wait()
+            if logging_on:
+                rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
+            return work.value if receives else None
         if logging_on:
             t0 = _now()
         left = blocking(eng.spin_s, ptr, count, peer, tag)
@@ -836,6 +1110,46 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
         if logging_on:
             rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
         return done
+    return call
+
+
+def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
+    """The list forms, gather and scatter: ``call(x, y, z, owners)`` with ``prep``'s
+    arguments (list facts, an address, a count; all_to_all: its two list facts).
+    Blocking with other work in flight, it is issued and registered as an async call
+    is (``fast_launch``: a memory conflict is a MISS), then waited (``Work.wait``: the
+    compiled spin where every work in flight is MPI's, else the engine's wait)."""
+    be, issue, _, blocking = plan
+    eng = rt.engine
+    launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
+    name, bname, size = op.value, be.name, g.size
+
+    def call(x, y, z, owners):
+        logging_on = rt.logger.enabled
+        if (rt.unusable is not None or g.broken is not None or rt.observed or eng.pending
+                or (async_op and logging_on) or _ENV.get(_COMPRESSION)):
+            return MISS
+        launched = async_op or eng.inflight  # (then exact spans: checked against those)
+        prepared = prep(fixed, x, y, z, launched)
+        if prepared is None:
+            return MISS
+        args, spans, nbytes = prepared
+        if logging_on:
+            t0 = _now()
+        if launched:
+            work = launch(op, g, issue, args, spans, owners, eng)
+            if work is None or async_op:
+                return MISS if work is None else work
+            work.wait()
+        else:
+            left = blocking(eng.spin_s, *args)
+            if left is False:  # (counts the issuer refused: nothing was sent)
+                return MISS
+            if left is not None:  # not done within the spin: the engine's wait
+                be.fast_work(op, g, be.fast_request(left), spans, owners).wait()
+        if logging_on:
+            rt.logger.records.append((name, nbytes, bname, size, _now() - t0))
+        return None
     return call
 
 
@@ -889,5 +1203,17 @@ def _ranged_p2p(bounds, op, isz, peer, async_op):
     return call
 
 
+def _ranged_listed(bounds, op, prep, fixed, async_op):
+    calls = [None] * (len(bounds) + 1)
+    isz = fixed[1]
+
+    def call(x, y, z, owners):
+        c = calls[_bisect(bounds, z * isz)]
+        return MISS if c is None else c(x, y, z, owners)
+    call.calls, call.bounds = calls, bounds
+    return call
+
+
 _RANGED = {_bind_in_place: _ranged_in_place, _bind_blocks: _ranged_blocks,
-           _bind_all_to_all: _ranged_all_to_all, _bind_p2p: _ranged_p2p}
+           _bind_all_to_all: _ranged_all_to_all, _bind_p2p: _ranged_p2p,
+           _bind_listed: _ranged_listed}

@@ -9,10 +9,14 @@ one group, the others are issued non-blocking one by one (MPI, Gloo), and the pr
 engine drives all of them together.
 
 Each op picks its backend as a single ``isend``/``irecv`` of that buffer would (so a
-message's two ends agree, whatever else is in either batch).
+message's two ends agree, whatever else is in either batch). Host buffers first try the
+fast path (``fastpath.batch``: the same plans as single isends and irecvs, each op
+issued and registered by the backend's compiled launch), which steps aside, before
+anything is issued, wherever it could not keep what this call does.
 """
 from __future__ import annotations
 
+from . import fastpath as _fast
 from . import validate as _v
 from ..base import tags as _tags
 from ..base.errors import InvalidArgumentError
@@ -55,10 +59,15 @@ def batch_isend_irecv(p2p_op_list, backend: str | None = None) -> list:
                                    "same group; make one batch per group")
     rt = get_runtime()
     g = rt.group(ops[0].group)
+    bufs = [_v.input(o.tensor, f"p2p_op_list[{i}].tensor") if o.is_send
+            else _v.output(o.tensor, f"p2p_op_list[{i}].tensor") for i, o in enumerate(ops)]
+    if all(b.device.kind == "cpu" for b in bufs):  # the fast path (its first call plans)
+        done = _fast.batch(rt, [(o.is_send, b.ptr, b.numel, b.dtype, o.peer, o.tag, b)
+                                for o, b in zip(ops, bufs)], ops[0].group, backend, bufs)
+        if done is not _fast.MISS:
+            return done
     plan = []  # (backend, P2POp, buffer, group rank of the peer)
-    for i, o in enumerate(ops):
-        what = f"p2p_op_list[{i}].tensor"
-        buf = _v.input(o.tensor, what) if o.is_send else _v.output(o.tensor, what)
+    for i, (o, buf) in enumerate(zip(ops, bufs)):
         be = rt.select(Op.SEND if o.is_send else Op.RECV, g, buf, backend)
         plan.append((be, o, buf, g.group_rank(o.peer, f"p2p_op_list[{i}].peer")))
     spans = rt.order(reads=[b for _, o, b, _ in plan if o.is_send],
