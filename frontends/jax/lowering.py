@@ -84,9 +84,9 @@ def _record_lowered(rt, op, g, probe, backend, reduce_op, nbytes, root) -> None:
     "lowered", once per trace: its runs happen inside XLA, where MCR-DL sees none of
     them; calls through the host callback are recorded at each run by the core)."""
     rule = rt.select(op, g, probe, backend, reduce_op, nbytes, why=True)[1]
-    extra = {"root": g.group_rank(*root)} if root is not None else None
-    _rec.lowered(_rec.describe(g, op, probe.dtype, "mpi", "mpi4jax", None, rule),
-                 probe.numel, extra)
+    _rec.lowered(_rec.describe(g, op, probe.dtype, "mpi", "mpi4jax", None, rule, False,
+                               reduce_op, None if root is None else g.group_rank(*root)),
+                 probe.numel)
 
 
 def _debug_at_run_time(rt, g, op, be, probe, sig) -> None:

@@ -196,12 +196,10 @@ def run(c: Call):
 def _record(c: Call, g, be, sig, codec, algorithm, rule) -> list:
     """The flight recorder's entry of a call about to be issued (``observe/recorder``):
     its static part, its element count and signature (root, peer, split counts)."""
-    desc = _rec.describe(g, c.op, c.buf.dtype, be.name, algorithm, codec, rule, c.async_op)
-    extra = {k: v for k, v in sig.items() if v is not None and k in _SIG_KEYS}
     red = c.reduce_op if c.reduce_op is None else ReduceOp.coerce(c.reduce_op)
-    if red is not None:
-        extra["reduce_op"] = red.value
-    extra = extra or None
+    desc = _rec.describe(g, c.op, c.buf.dtype, be.name, algorithm, codec, rule, c.async_op,
+                         red, sig.get("root"))
+    extra = {k: v for k, v in sig.items() if v is not None and k in _SIG_KEYS} or None
     if extra and "counts" in extra:
         extra["counts"] = [list(map(int, x)) for x in extra["counts"]]
     return _rec.call(desc, c.buf.numel, extra)
@@ -222,4 +220,4 @@ def _finished(e, async_op, fn, *args):
 
 
 #: the parts of a call's signature an entry keeps
-_SIG_KEYS = ("root", "peer", "counts")
+_SIG_KEYS = ("peer", "counts")

@@ -9,12 +9,13 @@ blocking call returns::
     [desc, seq, t_issue, count, extra, outcome, t_end, frame]
 
 ``desc`` is the call's static part, one tuple per plan (the fast path builds it once per
-memo key): ``(group, op, dtype, backend, algorithm, codec, rule, async, p2p)``, where
+memo key): ``(group, op, dtype, backend, algorithm, codec, rule, async, p2p, reduce
+op, root)``, where
 ``rule`` says what chose the backend (``selection.decide_why``). ``seq`` is the
 group's sequence number of the call: collectives count on ``Group.trace_seq``, the
 same on every member (every member makes the group's collectives in one order), point
 to point on ``Group.trace_p2p`` (one side's count only). ``count`` is the element
-count per rank, ``extra`` the root, peer and tag, or the split sizes. ``outcome`` is the
+count per rank, ``extra`` the peer and tag, or the split counts (a dict, or the fast path's tuple). ``outcome`` is the
 async Work, or the exception a blocking call raised; ``t_end`` is set when a blocking
 call returns. Times are ``time.perf_counter()``; a dump converts them to wall-clock
 seconds. Nothing is computed for a dump until one is written: the state of each entry
@@ -67,19 +68,21 @@ _now = time.perf_counter
 # entry fields
 DESC, SEQ, T_ISSUE, COUNT, EXTRA, OUTCOME, T_END, FRAME = range(8)
 # desc fields
-D_GROUP, D_OP, D_DTYPE, D_BACKEND, D_ALGO, D_CODEC, D_RULE, D_ASYNC, D_P2P = range(9)
+D_GROUP, D_OP, D_DTYPE, D_BACKEND, D_ALGO, D_CODEC, D_RULE, D_ASYNC, D_P2P, D_RED, D_ROOT = \
+    range(11)
 
 _P2P = ("send", "recv")
 _state = {"rt": None, "signal": False, "dumped": None, "verdict": None}
 
 
 def describe(group, op, dtype, backend, algorithm=None, codec=None, rule=None,
-             async_op=False) -> tuple:
+             async_op=False, reduce_op=None, root=None) -> tuple:
     """The static part of a call's entries (``op`` an Op or its name, ``dtype`` a core
-    DType or None, ``backend`` a name)."""
+    DType or None, ``backend`` a name, ``reduce_op`` a ReduceOp, ``root`` a group
+    rank): what every call of one fast-path plan shares."""
     name = getattr(op, "value", op)
     return (group, name, dtype, backend, algorithm, codec, rule, bool(async_op),
-            name in _P2P)
+            name in _P2P, getattr(reduce_op, "value", reduce_op), root)
 
 
 def call(desc: tuple, count: int, extra=None) -> list:
@@ -93,6 +96,24 @@ def call(desc: tuple, count: int, extra=None) -> list:
     e = [desc, seq, _now(), count, extra, None, None, _frame() if STACK else None]
     append(e)
     return e
+
+
+def undo(e) -> None:
+    """Take back the entry ``call`` just made, where the call was not issued after all
+    (an issuer that refused its arguments: the general path then records the call)."""
+    g = e[DESC][D_GROUP]
+    if e[DESC][D_P2P]:
+        g.trace_p2p -= 1
+    else:
+        g.trace_seq -= 1
+    try:
+        ring.remove(e)
+    except ValueError:  # (dropped from the ring meanwhile)
+        pass
+
+
+#: what a tuple ``extra`` (the fast path's, cheaper than a dict) holds, by op
+_EXTRA = {"send": ("peer", "tag"), "recv": ("peer", "tag"), "all_to_all": ("splits",)}
 
 
 def lowered(desc: tuple, count: int, extra=None) -> None:
@@ -192,17 +213,34 @@ def _entry_json(e, wall) -> dict:
            "dtype": getattr(dtype, "name", dtype), "count": count,
            "bytes": None if item is None or count is None else count * item,
            "backend": d[D_BACKEND], "algorithm": d[D_ALGO], "codec": d[D_CODEC],
-           "rule": d[D_RULE], "async": d[D_ASYNC], "state": state,
+           "rule": d[D_RULE], "async": d[D_ASYNC] or hasattr(e[OUTCOME], "done"),
+           "state": state,
            "t_issue": round(e[T_ISSUE] + wall, 6),
            "t_end": None if t_end is None else round(t_end + wall, 6)}
+    if d[D_RED] is not None:
+        out["reduce_op"] = d[D_RED]
+    if d[D_ROOT] is not None:
+        out["root"] = d[D_ROOT]
     extra = e[EXTRA]
     if extra:
-        out.update(extra if isinstance(extra, dict) else {"extra": extra})
+        if isinstance(extra, tuple):
+            extra = {k: _plain(v) for k, v in zip(_EXTRA.get(d[D_OP], ()), extra)
+                     if v is not None}
+        out.update(extra)
     if isinstance(e[OUTCOME], BaseException):
         out["error"] = f"{type(e[OUTCOME]).__name__}: {str(e[OUTCOME])[:300]}"
     if e[FRAME]:
         out["frame"] = e[FRAME]
     return out
+
+
+def _plain(v):
+    """A value of a fast-path entry as JSON has it (a ReduceOp, split sizes)."""
+    if hasattr(v, "value"):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def snapshot(reason: str = "requested") -> dict:
