@@ -144,10 +144,13 @@ def _first_problem(dumps: dict, key: str):
                 values.setdefault(repr(e.get(field)), []).append(r)
             if len(values) > 1:
                 return t0, dict(base, kind=kind, field=field, sides=values)
-        if dead or absent:
-            return t0, dict(base, kind="absent", dead=dead, absent=absent)
         states = {r: e["state"] for r, e in here.items()}
-        if any(st not in _DONE for st in states.values()):
+        unfinished = any(st not in _DONE for st in states.values())
+        # a rank without a dump is absent from every call: it matters at the first one
+        # the others did not complete (or their last)
+        if absent or (dead and (unfinished or s == seqs[-1])):
+            return t0, dict(base, kind="absent", dead=dead, absent=absent)
+        if unfinished:
             return t0, dict(base, kind="pending", states=states)
     return None
 
