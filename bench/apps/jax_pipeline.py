@@ -18,7 +18,10 @@ computes the loss. Two schedules:
   at most S-s activations are kept. Stage computations are jitted; activations and
   gradients move eagerly with ``mcrdl_jax.sendrecv`` (send one way, receive the other,
   both posted before either is waited on), paired so that no rank waits on another.
-  The backward recomputes the stage's forward from its saved input.
+  The backward recomputes the stage's forward from its saved input. ``--comm
+  nonblocking``: every send is started with ``async_op=True`` and waited at the end of
+  the step, and each direction's next receive is posted before the compute that
+  precedes its use, so transfers overlap the stage's compute.
 
 ``--check`` trains the same model in one process (every rank can, it is small) and
 reports the largest difference between the stage's parameters and the reference's.
@@ -109,11 +112,13 @@ class Stage:
         new = jax.tree_util.tree_map(lambda p, g: p - self.lr * g, params, grads)
         return new, value
 
-    def step(self, i: int, schedule: str = "gpipe"):
+    def step(self, i: int, schedule: str = "gpipe", comm: str = "blocking"):
         x, y = batch(i, self.batch_size, self.dims)
         xs = x.reshape(self.micro, self.mb, -1)
         ys = y.reshape(self.micro, self.mb, -1)
         if schedule == "1f1b":
+            if comm == "nonblocking":
+                return self._step_1f1b_nonblocking(xs, ys)
             return self._step_1f1b(xs, ys)
         self.params, value = self._step(self.params, self.carrier, xs, ys)
         return value  # the loss on the last stage, 0 elsewhere
@@ -181,6 +186,67 @@ class Stage:
         return loss
 
 
+    def _step_1f1b_nonblocking(self, xs, ys):
+        """1F1B with non-blocking sends and receives posted ahead (see the module
+        docstring): the same micro-batch order as ``_step_1f1b``, so the same result."""
+        s, S, M, be = self.rank, self.size, self.micro, self.backend
+        if M < S:
+            raise SystemExit(f"1f1b needs at least as many micro-batches ({M}) as stages ({S})")
+        prev, nxt = s - 1, s + 1
+        act_like = jnp.zeros((self.mb, self.dims[self.mine[-1] + 1]), jnp.float32)
+        in_like = self.carrier[0]
+        sends = []
+
+        def send(x, peer):
+            sends.append(mj.send(x, peer, backend=be, async_op=True))
+
+        def stream(like, peer, count):
+            """The next received array of ``count`` from ``peer``, the one after it
+            already posted."""
+            posted = [mj.recv(like, peer, backend=be, async_op=True)] if count else []
+            for k in range(count):
+                if k + 1 < count:
+                    posted.append(mj.recv(like, peer, backend=be, async_op=True))
+                yield mj.wait(posted.pop(0))
+
+        inputs = iter(xs) if self.first else stream(in_like, prev, M)
+        cts = None if self.last else stream(act_like, nxt, M)
+        saved, pending = [], []
+        grads = jax.tree_util.tree_map(jnp.zeros_like, self.params)
+        loss = jnp.zeros((), jnp.float32)
+
+        def forward(m):
+            nonlocal loss
+            h = next(inputs)
+            saved.append(h)
+            if self.last:
+                value, g = self._last(self.params, h, ys[m])
+                loss = loss + value
+                pending.append(g)
+            else:
+                send(self._fwd(self.params, h), nxt)
+
+        def backward():
+            nonlocal grads
+            h = saved.pop(0)
+            gp, gh = pending.pop(0) if self.last else self._bwd(self.params, h, next(cts))
+            grads = jax.tree_util.tree_map(jnp.add, grads, gp)
+            if not self.first:
+                send(gh, prev)
+
+        warmup = S - s - 1
+        for m in range(warmup):
+            forward(m)
+        for m in range(warmup, M):
+            forward(m)
+            backward()
+        for _ in range(warmup):
+            backward()
+        mj.wait(sends)
+        self.params = jax.tree_util.tree_map(lambda p, g: p - self.lr * g, self.params, grads)
+        return loss
+
+
 def reference(dims, steps: int, batch_size: int, lr: float):
     """The same model and data, trained in one process."""
     params = init_model(jax.random.PRNGKey(0), dims)
@@ -199,12 +265,13 @@ def reference(dims, steps: int, batch_size: int, lr: float):
     return params
 
 
-def train(dims, steps, micro, batch_size, lr, backend=None, log_every=0, schedule="gpipe"):
+def train(dims, steps, micro, batch_size, lr, backend=None, log_every=0, schedule="gpipe",
+          comm="blocking"):
     stage = Stage(dims, micro, batch_size, lr, backend)
     losses = []
     t0 = time.perf_counter()
     for i in range(steps):
-        value = stage.step(i, schedule)
+        value = stage.step(i, schedule, comm)
         if log_every and (i % log_every == 0 or i == steps - 1):
             # the loss lives on the last stage: broadcast it for rank 0 to print
             loss = float(mj.broadcast(value, src=stage.size - 1))
@@ -233,15 +300,17 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--backend", default=None, help="mpi, gloo, or unset for auto")
     ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    ap.add_argument("--comm", choices=["blocking", "nonblocking"], default="blocking",
+                    help="1f1b: sends and receives non-blocking, overlapping compute")
     ap.add_argument("--check", action="store_true",
                     help="compare the parameters with a single-process run")
     ap.add_argument("--log-every", type=int, default=50)
     a = ap.parse_args(argv)
     dims = [16] + [a.width] * (a.layers - 1) + [4]
     stage, losses, secs = train(dims, a.steps, a.micro, a.batch, a.lr, a.backend, a.log_every,
-                                a.schedule)
+                                a.schedule, a.comm)
     if stage.rank == 0:
-        print(f"{a.schedule}: {stage.size} stages {stage.split}, {a.micro} micro-batches of "
+        print(f"{a.schedule} ({a.comm}): {stage.size} stages {stage.split}, {a.micro} micro-batches of "
               f"{stage.mb}: "
               f"{a.steps} steps in {secs:.1f} s ({secs / a.steps * 1e3:.1f} ms/step); loss "
               f"{losses[0][1]:.4f} -> {losses[-1][1]:.4f}")
