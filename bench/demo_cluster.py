@@ -120,9 +120,12 @@ def why(table: dict | None, ran: dict) -> str:
                  f"above {_size(lo)}" if hi is None else f"{_size(lo)}-{_size(hi)}"
                  for lo, hi in where]
         if where:
-            out.append(f"{e['op']}: >= {c.get('margin', 1.1):.1f}x plain {plain} in the tune "
-                       f"{', '.join(where)} per rank")
-    return "; ".join(out)
+            out.append((e["op"], f">= {c.get('margin', 1.1):.1f}x plain {plain} in the tune "
+                                 f"{', '.join(where)} per rank"))
+    reasons = {}  # ops with the same reason in one clause
+    for op, text in out:
+        reasons.setdefault(text, []).append(op)
+    return "; ".join(f"{', '.join(ops)}: {text}" for text, ops in reasons.items())
 
 
 def _size(b: int) -> str:
