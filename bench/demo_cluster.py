@@ -216,14 +216,20 @@ def main(argv=None) -> int:
     n = a.hosts * a.ranks_per_host
     where = f"{a.hosts} emulated hosts x {a.ranks_per_host} rank, {a.rate}"
     tpath = a.out / f"demo_cluster_tuning_{a.hosts}x{a.ranks_per_host}_{a.rate}.json"
-    if a.tune or not tpath.exists():
+    retune = a.tune or not tpath.exists()
+    apps = [x for x in APPS if x[0] in a.apps]
+    print(f"running {'a tune and ' if retune else ''}{3 * a.repeats * len(apps)} "
+          f"short trainings on {where} (a minute or two; the summary, then the details)",
+          flush=True)
+    details = []  # printed after the summary, which comes first
+    if retune:
         t1 = time.monotonic()
         tune(n, tpath, a.rate, a.hosts, a.codecs, ops=TUNE_OPS, sizes=TUNE_SIZES, timeout=300,
-             trials_scale=0.5)
-        print(f"  tuned in {time.monotonic() - t1:.0f} s", flush=True)
+             trials_scale=0.5, echo=details.append)
+        details.append(f"  tuned in {time.monotonic() - t1:.0f} s into {tpath}")
     tdata = json.loads(tpath.read_text())
     rows = []
-    for app, args, what in [x for x in APPS if x[0] in a.apps]:
+    for app, args, what in apps:
         apps_table.SHAPES.setdefault("demo", {})[app] = args
         # the emulated hosts share this machine's cores: a share each, as torchrun gives
         # several processes of one node (else every rank runs a thread per core)
@@ -235,8 +241,8 @@ def main(argv=None) -> int:
                 r = apps_table.launch(app, n, v, a.steps, str(tpath), a.rate, a.hosts, "demo")
                 r["wall_s"] = time.monotonic() - t1
                 runs[v[0]].append(r)
-                print(f"  {app}: {v[0]:30s} {r['samples_per_s']:9.1f} samples/s "
-                      f"({r['wall_s']:.0f} s)", flush=True)
+                details.append(f"  {app}: {v[0]:30s} {r['samples_per_s']:9.1f} samples/s "
+                               f"({r['wall_s']:.0f} s)")
         gloo_sps = statistics.median(r["samples_per_s"] for r in runs["gloo (torch)"])
         exact_loss = runs[EXACT][0]["losses"][-1]
         for name, *_ in vs:
@@ -264,6 +270,7 @@ def main(argv=None) -> int:
             "csv": csv_path.relative_to(Path.cwd()) if csv_path.is_relative_to(Path.cwd())
             else csv_path, "png": png_path.name, "seconds": time.monotonic() - t0}
     print("\n".join(summary(rows, meta)), flush=True)
+    print("details:\n" + "\n".join(details), flush=True)
     return 0
 
 

@@ -89,16 +89,17 @@ TUNE_SIZES = ("4", "4K", "64K", "256K", "1M", "2M", "4M", "8M")
 
 def tune(n: int, path: Path, cluster: str | None = None, hosts: int = 2,
          codecs: str = CODECS, ops: tuple = ("all_reduce", "all_to_all"),
-         sizes: tuple = TUNE_SIZES, timeout: float = 1200, trials_scale: float = 1.0) -> None:
+         sizes: tuple = TUNE_SIZES, timeout: float = 1200, trials_scale: float = 1.0,
+         echo=print) -> None:
     """``mcrdl tune`` of ``ops`` at the apps' sizes into ``path``, the compressed variants
     of ``codecs`` measured as candidates (for the "tuned + codecs" variant);
-    ``trials_scale`` < 1 for a quicker, less certain table."""
+    ``trials_scale`` < 1 for a quicker, less certain table; ``echo`` gets the command line."""
     cmd = (launcher(n, cluster, hosts) + [str(BIN / "mcrdl"), "tune", "--ops", *ops,
                                           "--sizes", *sizes]
            + (["--compression", codecs] if codecs else [])
            + (["--trials-scale", f"{trials_scale:g}"] if trials_scale != 1.0 else [])
            + ["--output", str(path)])
-    print("tuning:", " ".join(cmd), flush=True)
+    echo("tuning: " + " ".join(cmd))
     proc = subprocess.run(cmd, env=run_env(str(path)), cwd=ROOT, timeout=timeout,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:  # its log only where it failed (else torch's and MPI's chatter)
