@@ -80,7 +80,8 @@ def measure(layouts: list, quick: bool) -> None:
     for name, rate, hosts, ranks in layouts:
         argv = ["--ranks", str(ranks), "--cluster", rate, "--hosts", str(hosts), "--tune",
                 "--apps", *apps, "--shape", "comm-cap", "--codecs", "bf16,int8"]
-        argv += (["--steps", "6", "--repeats", "1"] if quick else
+        argv += (["--steps", "6", "--repeats", "1", "--tune-sizes", "4", "64K", "1M", "4M"]
+                 if quick else
                  ["--steps", "20", "--repeats", "3", "--loss-steps", "200"])
         a = table.parse(argv)
         load0 = os.getloadavg()[0]

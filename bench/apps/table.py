@@ -140,6 +140,8 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tune", action="store_true", help="measure the tuning table first")
+    p.add_argument("--tune-sizes", nargs="+", default=None, metavar="SIZE",
+                   help="the sizes --tune measures (default: launching.TUNE_SIZES, 4 B-8 MiB)")
     p.add_argument("--table", default=None,
                    help="tuning table of the 'tuned' variant (default bench/out/apps_tuning"
                         "[_cluster_RATE].json)")
@@ -185,7 +187,8 @@ def run_config(a, cluster, hosts: int, ranks: list) -> list:
         for n in ranks:
             tune(n, table, cluster, hosts, a.codecs,
                  ops=("all_reduce", "all_to_all") + (("all_gather", "reduce_scatter")
-                                                     if "fsdp" in a.apps else ()))
+                                                     if "fsdp" in a.apps else ()),
+                 **({"sizes": tuple(a.tune_sizes)} if a.tune_sizes else {}))
     if not table.exists():
         raise SystemExit(f"no tuning table at {table}: run with --tune (or pass --table)")
     rows = []
