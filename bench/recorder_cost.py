@@ -9,7 +9,10 @@ blocking calls of 4 float32 elements on MPI through the bound fast path of mcrdl
 (``all_reduce``, ``broadcast``) and of the NumPy core (``mcrdl_core.all_reduce`` on an
 ndarray): rounds of ``--calls`` calls, the median round per call. The table gives per
 op the median over the jobs of each setting, on minus off, and the A/A row: the same
-setting's even jobs against its odd ones (what noise alone makes of a difference). Also ``--micro``: the recorder's own steps (an entry made and appended,
+setting's even jobs against its odd ones (what noise alone makes of a difference). ``--inproc``: one job instead, whose rounds alternate between two recorded groups and
+one whose plans carry no recorder description (the state every plan has under
+``MCRDL_TRACE_ENTRIES=0``): jobs differ from each other by more than the recorder costs
+on a shared machine, rounds of one job much less. Also ``--micro``: the recorder's own steps (an entry made and appended,
 its end time set) timed in one process, without MPI.
 
 Figures mean something on a quiet machine only: the load average is printed with them.
@@ -60,6 +63,54 @@ def job(calls: int, rounds: int) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def inproc(calls: int, rounds: int) -> None:
+    """One job, rounds interleaved (run under mpiexec): the same calls on three groups of
+    every rank, two recorded ("on", "on2": the A/A pair) and one whose plans carry no
+    recorder description (what MCRDL_TRACE_ENTRIES=0 gives every plan), its bound
+    closures made again from them. Rank 0 prints one JSON line."""
+    import numpy as np
+    import torch
+
+    import mcrdl_core as core
+    import mcrdl_torch as dist
+
+    rt = core.init()
+    groups = {k: core.new_group(backend="mpi") for k in ("on", "on2", "off")}
+    t = torch.ones(4)
+    a = np.ones(4, np.float32)
+
+    def fns(g):
+        return {"torch.all_reduce": lambda: dist.all_reduce(t, group=g),
+                "torch.broadcast": lambda: dist.broadcast(t, 0, group=g),
+                "numpy.all_reduce": lambda: core.all_reduce(a, group=g)}
+    table = {k: fns(g) for k, g in groups.items()}
+    for k in table:
+        for fn in table[k].values():
+            for _ in range(100):
+                fn()
+    off = groups["off"]
+    for key, v in list(rt.choices.items()):
+        if getattr(v, "desc", None) is not None and v.desc[0] is off:
+            v.desc = None  # (an instance attribute: this plan records nothing now)
+        elif isinstance(key, tuple) and off in key and callable(v):
+            del rt.choices[key]  # a bound call of the off group: made again, without
+    per = {k: {op: [] for op in OPS} for k in table}
+    for _ in range(rounds):
+        for op in OPS:
+            for k in ("on", "off", "on2"):
+                fn = table[k][op]
+                for _ in range(200):
+                    fn()
+                dist.barrier(backend="mpi")
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                per[k][op].append((time.perf_counter() - t0) / calls)
+    if core.get_rank() == 0:
+        print("RESULT " + json.dumps({k: {op: statistics.median(v) for op, v in d.items()}
+                                      for k, d in per.items()}), flush=True)
+
+
 def micro() -> dict:
     """The recorder's own steps on one call, timed alone (µs)."""
     from mcrdl_core.observe import recorder as rec
@@ -67,28 +118,29 @@ def micro() -> dict:
 
     g = Group(0, [0], 0)
     desc = rec.describe(g, "all_reduce", None, "mpi", rule="policy")
-    append, now = rec.append, time.perf_counter
+    note, now = rec.call, time.perf_counter
 
-    def step():
-        g.trace_seq += 1
-        e = [desc, g.trace_seq, now(), 4, None, None, None, None]
-        append(e)
+    def step():  # what the fast path adds to a blocking call (fastpath._note, then its end)
+        e = note(desc, 4)
         e[6] = now()
 
-    n = 200000
-    best = min(timeit.repeat(step, number=n, repeat=7)) / n
-    empty = min(timeit.repeat(lambda: None, number=n, repeat=7)) / n
+    # many short repeats, the fastest kept: on a shared machine some run undisturbed
+    n = 2000
+    best = min(timeit.repeat(step, number=n, repeat=500)) / n
+    empty = min(timeit.repeat(lambda: None, number=n, repeat=500)) / n
     return {"entry_us": round((best - empty) * 1e6, 4)}
 
 
-def launch(on: bool, calls: int, rounds: int, ranks: int) -> dict:
+def launch(on: bool, calls: int, rounds: int, ranks: int, mode: str = "--job") -> dict:
     env = dict(os.environ, MCRDL_TUNING_TABLE="none", PYTHONUNBUFFERED="1",
                MCRDL_TRACE_ENTRIES="4096" if on else "0")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    cmd = ["mpiexec", "-n", str(ranks), sys.executable, __file__, "--job",
+    cmd = ["mpiexec", "-n", str(ranks), sys.executable, __file__, mode,
            "--calls", str(calls), "--rounds", str(rounds)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600).stdout
-    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"the job failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
     return json.loads(line[7:])
 
 
@@ -100,9 +152,26 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--micro", action="store_true", help="the recorder's steps alone")
+    p.add_argument("--inproc", action="store_true",
+                   help="one job, rounds interleaved: recorded groups against one without")
+    p.add_argument("--inproc-job", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.job:
         job(a.calls, a.rounds)
+        return
+    if a.inproc_job:
+        inproc(a.calls, a.rounds)
+        return
+    if a.inproc:
+        load = os.getloadavg()
+        r = launch(True, a.calls, a.rounds, a.ranks, "--inproc-job")
+        end = os.getloadavg()
+        print(f"one {a.ranks}-rank job, {a.rounds} rounds of {a.calls} calls per group "
+              f"interleaved; load average {load[0]:.2f} at start, {end[0]:.2f} at end")
+        print(f"{'op':<18} {'on µs':>8} {'off µs':>8} {'on-off':>8} {'A/A on2-on':>11}")
+        for op in OPS:
+            on, on2, off = (r[k][op] * 1e6 for k in ("on", "on2", "off"))
+            print(f"{op:<18} {on:8.3f} {off:8.3f} {on - off:8.3f} {on2 - on:11.3f}")
         return
     load = os.getloadavg()
     if a.micro:
