@@ -390,7 +390,9 @@ def cmd_bench(args) -> int:
     print(f"auto within max(5%, 2 µs) of the best single backend at {verdict['within']} of "
           f"{verdict['points']} points; sweep total: auto {verdict['auto_total_us']:.1f} µs vs "
           f"best single backend ({verdict['best_backend']}) {verdict['best_total_us']:.1f} µs"
-          f" ({_pct(verdict['auto_total_us'], verdict['best_total_us'])})")
+          f" ({_pct(verdict['auto_total_us'], verdict['best_total_us'])})"
+          + ("; measured under load (the warning above): these figures describe the machine "
+             "as much as auto" if load["warnings"] else ""))
     if verdict["misses"]:
         print("  outside the bound: " + "; ".join(verdict["misses"][:10]))
     if control:
