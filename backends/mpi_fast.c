@@ -1146,6 +1146,20 @@ static int spin_and_finish(WorkObject *w, PyObject *eng, PyObject *inflight)
         out = 2;
         goto release;
     }
+    if (w->finalizers != NULL && PyTuple_CheckExact(w->finalizers)
+        && PyTuple_GET_SIZE(w->finalizers) == 1) {
+        /* a staged output's only finalizer (this module's unpack): run here */
+        PyObject *f = PyTuple_GET_ITEM(w->finalizers, 0);
+        if (PyCFunction_Check(f) && PyCFunction_GET_FUNCTION(f) == (PyCFunction)unpack_call) {
+            if ((o = unpack_call(PyCFunction_GET_SELF(f), NULL)) == NULL) {
+                PyErr_Clear(); /* Work.complete runs it again and fails the work with it */
+            } else {
+                Py_DECREF(o);
+                Py_INCREF(s_empty);
+                Py_XSETREF(w->finalizers, s_empty);
+            }
+        }
+    }
     if (w->finalizers != NULL && (rc = PyObject_IsTrue(w->finalizers)) != 0) {
         if (rc < 0)
             goto release;

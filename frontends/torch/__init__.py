@@ -267,18 +267,19 @@ def _listed(fast, kind, lf, ptr, count, like, extra, owners, group, async_op, ba
     return fast(rt, lf, ptr, count, dtype, owners, *extra, group, async_op, backend, None, key)
 
 
-def _root_list(ts, like):
-    """The list facts of a gather's or scatter's list, None where none is given, or
-    False where it is not plain tensors of ``like``'s dtype (the general path judges)."""
+def _root_list(ts, like, writes):
+    """The list facts of a gather's (``writes``) or scatter's list, None where none is
+    given, or False where it is not plain tensors of ``like``'s dtype (the general path
+    judges)."""
     if ts is None:
         return None
-    return _many(ts, like, _PLAIN) or False
+    return _many(ts, like, _PLAIN, writes) or False
 
 
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=None,
                compression=None):
     if compression is None and type(tensor) in _PLAIN and (f := _one(tensor)) is not None \
-            and (lf := _many(tensor_list, tensor, _PLAIN)) is not None:
+            and (lf := _many(tensor_list, tensor, _PLAIN, True)) is not None:
         done = _listed(_fp.all_gather_list, _K_AGL, lf, f[0], f[1], tensor, (),
                        (tuple(tensor_list), tensor), group, async_op, backend)
         if done is not _MISS:
@@ -316,7 +317,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False,
                    backend=None, compression=None):
     if compression is None and type(output) in _PLAIN and (f := _one(output)) is not None \
-            and (lf := _many(input_list, output, _PLAIN)) is not None:
+            and (lf := _many(input_list, output, _PLAIN, False)) is not None:
         done = _listed(_fp.reduce_scatter_list, _K_RSL, lf, f[0], f[1], output, (op,),
                        (output, tuple(input_list)), group, async_op, backend)
         if done is not _MISS:
@@ -393,8 +394,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
                backend=None, compression=None):
     ins = input_tensor_list
     if compression is None and type(ins) in (list, tuple) and ins and type(ins[0]) in _PLAIN \
-            and (olf := _many(output_tensor_list, ins[0], _PLAIN)) is not None \
-            and (ilf := _many(ins, ins[0], _PLAIN)) is not None:
+            and (olf := _many(output_tensor_list, ins[0], _PLAIN, True)) is not None \
+            and (ilf := _many(ins, ins[0], _PLAIN, False)) is not None:
         done = _listed(_fp.all_to_all_list, _K_A2AL, olf, ilf, 0, ins[0], (),
                        (tuple(output_tensor_list), tuple(ins)), group, async_op, backend)
         if done is not _MISS:
@@ -407,7 +408,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            backend=None):
     if type(tensor) in _PLAIN and (f := _one(tensor)) is not None \
-            and (lf := _root_list(gather_list, tensor)) is not False:
+            and (lf := _root_list(gather_list, tensor, True)) is not False:
         done = _listed(_fp.gather, _K_GATHER, lf, f[0], f[1], tensor, (dst,),
                        (tensor, gather_list and tuple(gather_list)), group, async_op, backend)
         if done is not _MISS:
@@ -418,7 +419,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
 def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
             backend=None):
     if type(tensor) in _PLAIN and (f := _one(tensor)) is not None \
-            and (lf := _root_list(scatter_list, tensor)) is not False:
+            and (lf := _root_list(scatter_list, tensor, False)) is not False:
         done = _listed(_fp.scatter, _K_SCATTER, lf, f[0], f[1], tensor, (src,),
                        (tensor, scatter_list and tuple(scatter_list)), group, async_op, backend)
         if done is not _MISS:

@@ -125,16 +125,20 @@ bool of_types(PyObject *o, PyObject *types)
     return false;
 }
 
-// many(ts, like, types): the list facts of a list or tuple ``ts`` of tensors, each of a
-// type in ``types`` (exactly), plain and of ``like``'s dtype: (addresses, element counts, the common count or -1, run, lo, hi),
-// ``run`` True where each starts where the previous one ends (list order, n >= 1),
-// ``[lo, hi)`` the span of the non-empty ones (0, 0 if none); else None
+// many(ts, like, types, writes): the list facts of a list or tuple ``ts`` of tensors,
+// each of a type in ``types`` (exactly), plain and of ``like``'s dtype: (addresses,
+// element counts, the common count or -1, run, lo, hi, spans), ``run`` True where each
+// starts where the previous one ends (list order, n >= 1), ``[lo, hi)`` the span of the
+// non-empty ones (0, 0 if none), ``spans`` each one's ``(lo, hi, writes)``; else None
 PyObject *many(PyObject *, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !PyTuple_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "many(tensors, like, types: tuple)");
+    if (nargs != 4 || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "many(tensors, like, types: tuple, writes)");
         return nullptr;
     }
+    int writes = PyObject_IsTrue(args[3]);
+    if (writes < 0)
+        return nullptr;
     PyObject *ts = args[0], *types = args[2];
     if ((!PyList_Check(ts) && !PyTuple_Check(ts)) || !THPVariable_Check(args[1]))
         Py_RETURN_NONE;
@@ -145,10 +149,11 @@ PyObject *many(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         auto kind = like.scalar_type();
         Py_ssize_t n = PySequence_Fast_GET_SIZE(ts);
         PyObject **items = PySequence_Fast_ITEMS(ts);
-        PyObject *ptrs = PyTuple_New(n), *counts = PyTuple_New(n);
-        if (ptrs == nullptr || counts == nullptr) {
+        PyObject *ptrs = PyTuple_New(n), *counts = PyTuple_New(n), *spans = PyTuple_New(n);
+        if (ptrs == nullptr || counts == nullptr || spans == nullptr) {
             Py_XDECREF(ptrs);
             Py_XDECREF(counts);
+            Py_XDECREF(spans);
             return nullptr;
         }
         long long common = -1;
@@ -159,21 +164,28 @@ PyObject *many(PyObject *, PyObject *const *args, Py_ssize_t nargs)
             if (t == nullptr || t->scalar_type() != kind) {
                 Py_DECREF(ptrs);
                 Py_DECREF(counts);
+                Py_DECREF(spans);
                 Py_RETURN_NONE;
             }
             uintptr_t p = (uintptr_t)t->const_data_ptr();
             long long c = (long long)t->numel();
             uintptr_t end = p + (uintptr_t)(c * (long long)t->element_size());
             PyObject *a = PyLong_FromVoidPtr((void *)p), *k = integer(c);
-            if (a == nullptr || k == nullptr) {
+            PyObject *sp = a == nullptr ? nullptr
+                           : pack({(Py_INCREF(a), a), PyLong_FromVoidPtr((void *)end),
+                                   PyBool_FromLong(writes)});
+            if (a == nullptr || k == nullptr || sp == nullptr) {
                 Py_XDECREF(a);
                 Py_XDECREF(k);
+                Py_XDECREF(sp);
                 Py_DECREF(ptrs);
                 Py_DECREF(counts);
+                Py_DECREF(spans);
                 return nullptr;
             }
             PyTuple_SET_ITEM(ptrs, i, a);
             PyTuple_SET_ITEM(counts, i, k);
+            PyTuple_SET_ITEM(spans, i, sp);
             if (i == 0)
                 common = c;
             else if (c != common)
@@ -191,7 +203,7 @@ PyObject *many(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         if (n == 0)
             common = -1;
         return pack({ptrs, counts, integer(common), PyBool_FromLong(run),
-                     PyLong_FromVoidPtr((void *)lo), PyLong_FromVoidPtr((void *)hi)});
+                     PyLong_FromVoidPtr((void *)lo), PyLong_FromVoidPtr((void *)hi), spans});
     } catch (const std::exception &e) {
         PyErr_SetString(PyExc_RuntimeError, e.what());
         return nullptr;
@@ -203,7 +215,7 @@ PyMethodDef methods[] = {
     {"two", (PyCFunction)(void (*)(void))two, METH_FASTCALL,
      "two(output, input): (address, numel, dim 0) of each, or None"},
     {"many", (PyCFunction)(void (*)(void))many, METH_FASTCALL,
-     "many(tensors, like, types): the list facts of tensors of like's dtype, or None"},
+     "many(tensors, like, types, writes): the list facts of tensors of like's dtype, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "tensor_facts",
@@ -220,7 +232,7 @@ PyMODINIT_FUNC PyInit_tensor_facts(void)
     // what the frontend checks before it uses the module: the torch it was built
     // against, and the version of this file's calls
     if (PyModule_AddStringConstant(m, "TORCH_VERSION", MCRDL_TORCH_VERSION) < 0
-        || PyModule_AddIntConstant(m, "VERSION", 3) < 0) {
+        || PyModule_AddIntConstant(m, "VERSION", 4) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

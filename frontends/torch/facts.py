@@ -5,10 +5,13 @@ else None (a nested tensor of strided layout has an address and an element count
 one shape: the general path refuses it, the same on every call).
 ``two(out, inp)``: ``(address, numel, dim 0)`` of each of two such tensors of one dtype
 (dim 0 is 1 for a 0-d tensor), else None.
-``many(ts, like, types)``: the *list facts* of a list or tuple of such tensors, each of
-a type in ``types`` (exactly: ``tensors.PLAIN``) and of ``like``'s dtype: ``(addresses, element counts, the common count or -1, run, lo, hi)``
-(``run``: each starts where the previous one ends, in list order; ``[lo, hi)``: the
-span of the non-empty ones, (0, 0) if none), else None (``fastpath``'s list forms). None sends the frontend to its general path,
+``many(ts, like, types, writes)``: the *list facts* of a list or tuple of such tensors,
+each of a type in ``types`` (exactly: ``tensors.PLAIN``) and of ``like``'s dtype:
+``(addresses, element counts, the common count or -1, run, lo, hi, spans)`` (``run``:
+each starts where the previous one ends, in list order; ``[lo, hi)``: the span of the
+non-empty ones, (0, 0) if none; ``spans``: each one's ``(lo, hi, writes)``), else None
+(``fastpath``'s list forms).
+None sends the frontend to its general path,
 which checks everything and raises its errors. The caller has checked that the
 arguments are plain tensors (``tensors.PLAIN``).
 
@@ -39,11 +42,11 @@ def _two(out, inp):
     return None
 
 
-def _many(ts, like, types):
+def _many(ts, like, types, writes):
     if type(ts) not in (list, tuple) or not isinstance(like, torch.Tensor):
         return None
     kind = like.dtype
-    ptrs, counts = [], []
+    ptrs, counts, spans = [], [], []
     run, nxt, lo, hi = bool(ts), None, 0, 0
     for t in ts:
         if type(t) not in types or t.dtype is not kind or _one(t) is None:
@@ -54,10 +57,11 @@ def _many(ts, like, types):
         if nxt is not None and p != nxt:
             run = False
         nxt = p + c * t.element_size()
+        spans.append((p, nxt, bool(writes)))
         if c:
             lo, hi = (p, nxt) if lo == hi else (min(lo, p), max(hi, nxt))
     common = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
-    return tuple(ptrs), tuple(counts), common, run, lo, hi
+    return tuple(ptrs), tuple(counts), common, run, lo, hi, tuple(spans)
 
 
 def _load():
@@ -67,7 +71,7 @@ def _load():
         from . import tensor_facts as compiled_facts
     except ImportError as exc:
         return None, f"not built ({exc}): run python -m mcrdl_torch.build"
-    if getattr(compiled_facts, "VERSION", None) != 3:  # 3: many (list facts)
+    if getattr(compiled_facts, "VERSION", None) != 4:  # 4: many (list facts, spans)
         return None, "built from another version of facts.cpp: rerun python -m mcrdl_torch.build"
     if compiled_facts.TORCH_VERSION != torch.__version__:
         return None, (f"built for torch {compiled_facts.TORCH_VERSION}, this is "

@@ -260,7 +260,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False, backend=
     inp = _v.input(tensor, "tensor")
     _v.same_kind(outs + [inp], "all_gather")
     if compression is None and inp.device.kind == "cpu":
-        done = _fast.all_gather_list(get_runtime(), _fast.list_facts(outs), inp.ptr, inp.numel,
+        done = _fast.all_gather_list(get_runtime(), _fast.list_facts(outs, True), inp.ptr, inp.numel,
                                      inp.dtype, (outs, inp), group, async_op, backend, inp)
         if done is not _fast.MISS:
             return done
@@ -322,7 +322,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     ins = [_v.input(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
     _v.same_kind([out] + ins, "reduce_scatter")
     if compression is None and out.device.kind == "cpu":
-        done = _fast.reduce_scatter_list(get_runtime(), _fast.list_facts(ins), out.ptr,
+        done = _fast.reduce_scatter_list(get_runtime(), _fast.list_facts(ins, False), out.ptr,
                                          out.numel, out.dtype, (out, ins), op, group, async_op,
                                          backend, out)
         if done is not _fast.MISS:
@@ -401,8 +401,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         raise _v.InvalidArgumentError("all_to_all: tensor lists must not be empty")
     _v.same_kind(outs + ins, "all_to_all")
     if compression is None and ins[0].device.kind == "cpu":
-        done = _fast.all_to_all_list(get_runtime(), _fast.list_facts(outs),
-                                     _fast.list_facts(ins), ins[0].dtype, (outs, ins), group,
+        done = _fast.all_to_all_list(get_runtime(), _fast.list_facts(outs, True),
+                                     _fast.list_facts(ins, False), ins[0].dtype, (outs, ins), group,
                                      async_op, backend, ins[0])
         if done is not _fast.MISS:
             return done
@@ -459,7 +459,7 @@ def _root_list(call, g, root, tensors, make, one, what, role, one_name):
     return bufs
 
 
-def _root_facts(tensors, make, what: str, one: Buffer):
+def _root_facts(tensors, make, what: str, one: Buffer, writes: bool):
     """(list facts, Buffers) of a gather's or scatter's list for the fast path, or None
     where none is given or it is not host buffers of ``one``'s dtype that convert: the
     list counts at the root only, where the general path then judges it (elsewhere it
@@ -472,7 +472,7 @@ def _root_facts(tensors, make, what: str, one: Buffer):
         return None
     if any(b.dtype is not one.dtype for b in bufs):
         return None
-    lf = _fast.list_facts(bufs)
+    lf = _fast.list_facts(bufs, writes)
     return None if lf is None else (lf, bufs)
 
 
@@ -481,7 +481,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = 
     """Gather ``tensor`` from every rank into ``gather_list`` on ``dst`` (ignored elsewhere)."""
     inp = _v.input(tensor, "tensor")
     if inp.device.kind == "cpu":
-        facts = _root_facts(gather_list, _v.output, "gather_list", inp)
+        facts = _root_facts(gather_list, _v.output, "gather_list", inp, True)
         done = _fast.gather(get_runtime(), facts and facts[0], inp.ptr, inp.numel, inp.dtype,
                             (inp, facts), dst, group, async_op, backend, inp)
         if done is not _fast.MISS:
@@ -514,7 +514,7 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
     """Scatter ``scatter_list`` (given on ``src``) into ``tensor`` on every rank."""
     out = _v.output(tensor, "tensor")
     if out.device.kind == "cpu":
-        facts = _root_facts(scatter_list, _v.input, "scatter_list", out)
+        facts = _root_facts(scatter_list, _v.input, "scatter_list", out, False)
         done = _fast.scatter(get_runtime(), facts and facts[0], out.ptr, out.numel, out.dtype,
                              (out, facts), src, group, async_op, backend, out)
         if done is not _fast.MISS:

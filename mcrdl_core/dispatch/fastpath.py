@@ -2,7 +2,9 @@
 
 Every op a training step is made of (all_reduce, broadcast, reduce,
 all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single even and by split
-sizes, send/recv blocking and async, barrier) has an entry here that takes the call's
+sizes, send/recv blocking and async in any mix, barrier; the list forms of all_gather,
+reduce_scatter and all_to_all, gather, scatter and batch_isend_irecv: see "list forms"
+below) has an entry here that takes the call's
 *facts* (addresses, element counts, dtype: what mcrdl_torch reads off a plain contiguous
 CPU tensor without making a Buffer) and runs the call from a memo: once per key (op,
 group, dtype, backend request, reduce op, root, and the size where a tuning table
@@ -27,7 +29,10 @@ backend without an issuer (Gloo, NCCL) or an op it needs more than one library c
 (16-bit float and AVG reductions finish on the host), deferred work pending, memory that
 conflicts with work in flight (the general path orders it), bad input of any kind (the
 general path raises its error). The all-reduce alone also steps aside whenever
-anything is in flight.
+anything is in flight. A blocking point-to-point or list-form call with other work in
+flight is issued and registered as an async one (its memory checked against what is in
+flight) and then waited, which spins in the compiled module while every work in flight
+is MPI's, else waits through the engine.
 
 The wait. With nothing else in flight, polling this one request *is* the progress
 loop: a blocking call spins on ``Request.Test`` for at most ``MCRDL_SPIN_US`` µs,
@@ -257,6 +262,7 @@ def _address(mem) -> int:
 
 _T = {op: f"fast:{op.value}" for op in Op}  # first part of the memo keys, per op
 _T_UNEVEN = "fast:all_to_all_v"
+_T_SEND, _T_RECV = _T[Op.SEND], _T[Op.RECV]
 
 
 def _plan_op(rt, op, g, buf, backend, red=None, root=None, nbytes=-1):
@@ -551,10 +557,11 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
 # --- list forms, gather, scatter ----------------------------------------------------------
 # all_gather (a list of outputs), reduce_scatter (a list of inputs), all_to_all (lists of
 # both), gather and scatter (the root's list): their entries take the list side as
-# *list facts*, ``(addresses, element counts, the common count or -1, run, lo, hi)`` of
-# the list's tensors (``run``: one after another in list order, each where the previous
-# one ends; ``[lo, hi)``: the span of the non-empty ones), as mcrdl_torch reads them in
-# one C call and ``list_facts`` reads them off Buffers. They issue the general path's
+# *list facts*, ``(addresses, element counts, the common count or -1, run, lo, hi,
+# spans)`` of the list's tensors (``run``: one after another in list order, each where
+# the previous one ends; ``[lo, hi)``: the span of the non-empty ones; ``spans``: each
+# one's ``(lo, hi, writes)``), as mcrdl_torch reads them in one C call and
+# ``list_facts`` reads them off Buffers. They issue the general path's
 # library call (the same key, plan and issuer as all_gather_into_tensor and
 # reduce_scatter_tensor for the first two; all_to_all's is MPI_Ialltoallv with no
 # selection size, as the general path's), on the list's memory as it is where MPI can
@@ -569,10 +576,10 @@ def barrier(rt, group, async_op, backend, probe, bind=None):
 _T_LIST = "fast:all_to_all_list"
 
 
-def list_facts(bufs):
-    """The list facts of host Buffers that are contiguous (the general path's), or None
-    where one is not host memory."""
-    ptrs, counts = [], []
+def list_facts(bufs, writes: bool):
+    """The list facts of host Buffers that are contiguous (the general path's; the call
+    writes them where ``writes``), or None where one is not host memory."""
+    ptrs, counts, spans = [], [], []
     run, nxt, lo, hi = True, None, 0, 0
     for b in bufs:
         if b.device.kind != "cpu":
@@ -583,21 +590,15 @@ def list_facts(bufs):
         if nxt is not None and p != nxt:
             run = False
         nxt = p + b.nbytes
+        spans.append((p, nxt, writes))
         if c:
             lo, hi = (p, nxt) if lo == hi else (min(lo, p), max(hi, nxt))
     common = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
-    return tuple(ptrs), tuple(counts), common, run and bool(ptrs), lo, hi
+    return tuple(ptrs), tuple(counts), common, run and bool(ptrs), lo, hi, tuple(spans)
 
 
 def _apart_of(lo, hi, ptr, nbytes) -> bool:
     return not nbytes or lo == hi or hi <= ptr or ptr + nbytes <= lo
-
-
-def _blocks(ptrs, sizes, writes):
-    """The spans of the blocks at ``ptrs``, of ``sizes`` bytes (an int: every block's)."""
-    if sizes.__class__ is int:
-        return tuple([(p, p + sizes, writes) for p in ptrs])
-    return tuple([(p, p + s, writes) for p, s in zip(ptrs, sizes)])
 
 
 def _prep_gathered(fixed, lf, ptr, count, exact=False):
@@ -613,12 +614,12 @@ def _prep_gathered(fixed, lf, ptr, count, exact=False):
         return (None, ptr, count), ((ptr, ptr + blk, False), (0, 0, True)), n * blk
     if lf is None:
         return None
-    ptrs, _, common, run, lo, hi = lf
+    ptrs, _, common, run, lo, hi, blocks = lf
     if len(ptrs) != n or common != count:
         return None
     out = ptrs[0] if run and _apart_of(lo, hi, ptr, blk) else ptrs
     if exact and not run:
-        return (out, ptr, count), ((ptr, ptr + blk, False), *_blocks(ptrs, blk, True)), n * blk
+        return (out, ptr, count), ((ptr, ptr + blk, False), *blocks), n * blk
     return (out, ptr, count), ((ptr, ptr + blk, False), (lo, hi, True)), n * blk
 
 
@@ -631,12 +632,12 @@ def _prep_scattered(fixed, lf, ptr, count, exact=False):
         return (ptr, None, count), ((0, 0, False), (ptr, ptr + blk, True)), n * blk
     if lf is None:
         return None
-    ptrs, _, common, run, lo, hi = lf
+    ptrs, _, common, run, lo, hi, blocks = lf
     if len(ptrs) != n or common != count:
         return None
     inp = ptrs[0] if run and _apart_of(lo, hi, ptr, blk) else ptrs
     if exact and not run:
-        return (ptr, inp, count), (*_blocks(ptrs, blk, False), (ptr, ptr + blk, True)), n * blk
+        return (ptr, inp, count), (*blocks, (ptr, ptr + blk, True)), n * blk
     return (ptr, inp, count), ((lo, hi, False), (ptr, ptr + blk, True)), n * blk
 
 
@@ -646,13 +647,13 @@ def _prep_exchanged(fixed, olf, ilf, _=None, exact=False):
     n, isz, _ = fixed
     if olf is None or ilf is None:
         return None
-    optrs, ocounts, _, _, olo, ohi = olf
-    iptrs, icounts, _, _, ilo, ihi = ilf
+    optrs, ocounts, _, orun, olo, ohi, oblocks = olf
+    iptrs, icounts, _, irun, ilo, ihi, iblocks = ilf
     if len(optrs) != n or len(iptrs) != n:
         return None
-    if exact:
-        spans = (*_blocks(iptrs, [c * isz for c in icounts], False),
-                 *_blocks(optrs, [c * isz for c in ocounts], True))
+    if exact:  # (a run's span is exact already)
+        spans = (((ilo, ihi, False),) if irun else iblocks) + (((olo, ohi, True),) if orun
+                                                                 else oblocks)
     else:
         spans = ((ilo, ihi, False), (olo, ohi, True))
     return (optrs, ocounts, iptrs, icounts), spans, sum(icounts) * isz
@@ -782,6 +783,10 @@ def batch(rt, items, group, backend, bufs=None):
     eng = rt.engine
     if eng.pending:
         return MISS
+    # the memo keys of ``_lookup`` (send and recv: one answer of ``table_decides``, since
+    # both select from the table's "send" entry, selection._P2P_KEYS)
+    decides = rt.table is not None and rt.table_decides(Op.SEND, g, backend)
+    choice = rt.choices
     todo = []
     spans = []
     for i, (sends, ptr, count, dtype, peer, tag, owner) in enumerate(items):
@@ -791,11 +796,19 @@ def batch(rt, items, group, backend, bufs=None):
             p = g.group_rank(peer)
         except _v.InvalidArgumentError:  # (the general path raises it, naming the op)
             return MISS
-        op = Op.SEND if sends else Op.RECV
         end = ptr + count * dtype.itemsize
-        buf = None if bufs is None else bufs[i]
-        plan = _lookup(rt, _T[op], g, dtype, backend, None, end - ptr, buf, (op, g, buf, backend))
-        if plan is None or plan[3] is None:
+        key = ((_T_SEND if sends else _T_RECV, g, dtype, backend, None, end - ptr) if decides
+               else (_T_SEND if sends else _T_RECV, g, dtype, backend, None))
+        try:
+            plan = choice.get(key)
+        except TypeError:  # an unhashable argument: let the general path judge it
+            return MISS
+        op = Op.SEND if sends else Op.RECV
+        if plan is None:
+            if bufs is None:
+                return MISS
+            plan = choice[key] = _plan_op(rt, op, g, bufs[i], backend)
+        if plan[3] is None:
             return MISS
         for lo, hi, writes in spans:  # within the batch
             if (writes or not sends) and lo < end and ptr < hi:
