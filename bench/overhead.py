@@ -4,11 +4,19 @@ Run (2 ranks; from the checkout):
     MCRDL_TUNING_TABLE=none mpiexec -n 2 .venv/bin/python bench/overhead.py [--calls N] [--rounds R] [--table ops|all_reduce|both] [--split BYTES]
 
 Every op (``--table ops``): all_reduce, broadcast, reduce, all_gather_into_tensor,
-reduce_scatter_tensor, all_to_all_single (even, and by split sizes), an isend/irecv ring
-and barrier through ``mcrdl_torch`` with ``backend="mpi"``, blocking and async + wait,
-each interleaved with the same mpi4py call: blocking against the blocking call, async +
-wait against the nonblocking call + ``Wait`` (``Iallreduce(...).Wait()``; the ring:
-Irecv + Isend + Waitall), with async's excess over the blocking call beside it.
+reduce_scatter_tensor, all_to_all_single (even, and by split sizes), the list forms
+(all_gather into a list, reduce_scatter from a list, all_to_all of lists: "run" = the
+list is chunks of one tensor, "apart" = separate tensors, which the fast path stages),
+gather and scatter (root 0, its list apart), an isend/irecv ring, isend + blocking recv +
+wait and irecv + blocking send + wait (against one ``Sendrecv``), batch_isend_irecv of
+the ring (against Irecv + Isend + Waitall), barrier, and an A/A row (the raw all-reduce
+measured twice: the noise floor of the table) through ``mcrdl_torch``, blocking and
+async + wait, each interleaved with the same mpi4py call: blocking against the blocking
+call, async + wait against the nonblocking call + ``Wait`` (``Iallreduce(...).Wait()``;
+the ring: Irecv + Isend + Waitall), with async's excess over the blocking call beside
+it. Twice: with ``backend="mpi"`` (explicit), then ``backend="auto"`` through an
+in-memory tuning table whose entry for every op has two ranges, mpi up to ``--split``
+bytes (default 1024) and mpi above (the bound call by table range).
 
 The all-reduce table (``--table all_reduce``):
 
@@ -112,13 +120,14 @@ def _wait_all(works) -> None:
         w.wait()
 
 
-def op_paths(nbytes: int, n: int, rank: int) -> dict:
+def op_paths(nbytes: int, n: int, rank: int, backend: str = "mpi") -> dict:
     """{op: (raw mpi4py call, mcrdl_torch blocking call, raw mpi4py nonblocking call +
     Wait, mcrdl_torch async + wait)} for every op of the issue list, float32 of
-    ``nbytes`` per rank's block, backend="mpi" (the same library underneath: the
-    difference is MCR-DL's own cost). An async call is set against the nonblocking
-    call a user of mpi4py would write for it (``Iallreduce(...).Wait()``), since the
-    library's nonblocking collectives cost more than its blocking ones."""
+    ``nbytes`` per rank's block, ``backend`` "mpi", or "auto" under a table that says
+    mpi (the same library underneath: the difference is MCR-DL's own cost). An async
+    call is set against the nonblocking call a user of mpi4py would write for it
+    (``Iallreduce(...).Wait()``), since the library's nonblocking collectives cost more
+    than its blocking ones."""
     c = max(nbytes // 4, 1)
     SUM, IN_PLACE = MPI.SUM, MPI.IN_PLACE
     a, b = np.ones(c, np.float32), np.ones(c * n, np.float32)
@@ -148,41 +157,117 @@ def op_paths(nbytes: int, n: int, rank: int) -> dict:
     def raw_ring():
         MPI.Request.Waitall([COMM.Irecv(ra, prv, 7), COMM.Isend(sa, nxt, 7)])
 
+    be = backend
+
     def ring(async_op):
-        return lambda: _wait_all([dist.irecv(rt_, prv, tag=7, backend="mpi"),
-                                  dist.isend(st_, nxt, tag=7, backend="mpi")])
+        return lambda: _wait_all([dist.irecv(rt_, prv, tag=7, backend=be),
+                                  dist.isend(st_, nxt, tag=7, backend=be)])
 
     def four(raw, iraw, call):
         return (raw, lambda: call(False), iraw, lambda: call(True).wait())
+
+    def raw_sendrecv():
+        COMM.Sendrecv(sa, nxt, 7, ra, prv, 7)
+
+    def isend_recv():
+        w = dist.isend(st_, nxt, tag=7, backend=be)
+        dist.recv(rt_, prv, tag=7, backend=be)
+        w.wait()
+
+    def irecv_send():
+        w = dist.irecv(rt_, prv, tag=7, backend=be)
+        dist.send(st_, nxt, tag=7, backend=be)
+        w.wait()
+
+    ring_ops = [dist.P2POp(dist.irecv, rt_, prv, None, 7), dist.P2POp(dist.isend, st_, nxt, None, 7)]
+
+    def batch():
+        _wait_all(dist.batch_isend_irecv(ring_ops, backend=be))
+
+    # the list forms: chunks of one tensor (one run), or separate tensors (staged)
+    run_out = list(torch.ones(c * n).split(c))
+    apart_out = [torch.ones(c) for _ in range(n)]
+    run_in = list(torch.ones(c * n).split(c))
+    apart_in = [torch.ones(c) for _ in range(n)]
+    a2a_out = list(torch.ones(c * n).split(c))
+    gather_list = [torch.ones(c) for _ in range(n)] if rank == 0 else None
+    bg = np.ones(c * n, np.float32) if rank == 0 else None
+
+    def raw_gather():
+        COMM.Gather(a, bg, 0)
+
+    def raw_igather():
+        COMM.Igather(a, bg, 0).Wait()
+
+    def raw_scatter():
+        COMM.Scatter(bg, a, 0)
+
+    def raw_iscatter():
+        COMM.Iscatter(bg, a, 0).Wait()
 
     vspec_in = [big_in, (counts, displs), MPI.FLOAT]
     vspec_out = [big_out, (counts, displs), MPI.FLOAT]
     return {
         "all_reduce": four(lambda: COMM.Allreduce(IN_PLACE, a, SUM),
                            lambda: COMM.Iallreduce(IN_PLACE, a, SUM).Wait(),
-                           lambda x: dist.all_reduce(t, backend="mpi", async_op=x)),
+                           lambda x: dist.all_reduce(t, backend=be, async_op=x)),
         "broadcast": four(lambda: COMM.Bcast(a, 0), lambda: COMM.Ibcast(a, 0).Wait(),
-                          lambda x: dist.broadcast(t, 0, backend="mpi", async_op=x)),
+                          lambda x: dist.broadcast(t, 0, backend=be, async_op=x)),
         "reduce": four(raw_reduce, raw_ireduce,
-                       lambda x: dist.reduce(t, 0, backend="mpi", async_op=x)),
+                       lambda x: dist.reduce(t, 0, backend=be, async_op=x)),
         "all_gather_into_tensor": four(
             lambda: COMM.Allgather(a, b), lambda: COMM.Iallgather(a, b).Wait(),
-            lambda x: dist.all_gather_into_tensor(tb, t, backend="mpi", async_op=x)),
+            lambda x: dist.all_gather_into_tensor(tb, t, backend=be, async_op=x)),
         "reduce_scatter_tensor": four(
             lambda: COMM.Reduce_scatter_block(big_in, a, SUM),
             lambda: COMM.Ireduce_scatter_block(big_in, a, SUM).Wait(),
-            lambda x: dist.reduce_scatter_tensor(t, tin, backend="mpi", async_op=x)),
+            lambda x: dist.reduce_scatter_tensor(t, tin, backend=be, async_op=x)),
         "all_to_all_single": four(
             lambda: COMM.Alltoall(big_in, big_out), lambda: COMM.Ialltoall(big_in, big_out).Wait(),
-            lambda x: dist.all_to_all_single(tout, tin, backend="mpi", async_op=x)),
+            lambda x: dist.all_to_all_single(tout, tin, backend=be, async_op=x)),
         "all_to_all_single (splits)": four(
             lambda: COMM.Alltoallv(vspec_in, vspec_out),
             lambda: COMM.Ialltoallv(vspec_in, vspec_out).Wait(),
-            lambda x: dist.all_to_all_single(tout2, tin2, splits, splits, backend="mpi",
+            lambda x: dist.all_to_all_single(tout2, tin2, splits, splits, backend=be,
                                              async_op=x)),
+        "all_gather (list, run)": four(
+            lambda: COMM.Allgather(a, b), lambda: COMM.Iallgather(a, b).Wait(),
+            lambda x: dist.all_gather(run_out, t, backend=be, async_op=x)),
+        "all_gather (list, apart)": four(
+            lambda: COMM.Allgather(a, b), lambda: COMM.Iallgather(a, b).Wait(),
+            lambda x: dist.all_gather(apart_out, t, backend=be, async_op=x)),
+        "reduce_scatter (list, run)": four(
+            lambda: COMM.Reduce_scatter_block(big_in, a, SUM),
+            lambda: COMM.Ireduce_scatter_block(big_in, a, SUM).Wait(),
+            lambda x: dist.reduce_scatter(t, run_in, backend=be, async_op=x)),
+        "reduce_scatter (list, apart)": four(
+            lambda: COMM.Reduce_scatter_block(big_in, a, SUM),
+            lambda: COMM.Ireduce_scatter_block(big_in, a, SUM).Wait(),
+            lambda x: dist.reduce_scatter(t, apart_in, backend=be, async_op=x)),
+        "all_to_all (list, run)": four(
+            lambda: COMM.Alltoallv(vspec_in, vspec_out),
+            lambda: COMM.Ialltoallv(vspec_in, vspec_out).Wait(),
+            lambda x: dist.all_to_all(a2a_out, run_in, backend=be, async_op=x)),
+        "all_to_all (list, apart)": four(
+            lambda: COMM.Alltoallv(vspec_in, vspec_out),
+            lambda: COMM.Ialltoallv(vspec_in, vspec_out).Wait(),
+            lambda x: dist.all_to_all(apart_out, apart_in, backend=be, async_op=x)),
+        "gather (root 0, apart)": four(
+            raw_gather, raw_igather,
+            lambda x: dist.gather(t, gather_list, 0, backend=be, async_op=x)),
+        "scatter (root 0, apart)": four(
+            raw_scatter, raw_iscatter,
+            lambda x: dist.scatter(t, gather_list, 0, backend=be, async_op=x)),
         "isend/irecv ring": (raw_ring, ring(True), raw_ring, ring(True)),
+        "isend + recv + wait": (raw_sendrecv, isend_recv, raw_sendrecv, isend_recv),
+        "irecv + send + wait": (raw_sendrecv, irecv_send, raw_sendrecv, irecv_send),
+        "batch_isend_irecv ring": (raw_ring, batch, raw_ring, batch),
         "barrier": four(COMM.Barrier, lambda: COMM.Ibarrier().Wait(),
-                        lambda x: dist.barrier(backend="mpi", async_op=x)),
+                        lambda x: dist.barrier(backend=be, async_op=x)),
+        "A/A: raw all_reduce twice": (
+            lambda: COMM.Allreduce(IN_PLACE, a, SUM), lambda: COMM.Allreduce(IN_PLACE, a, SUM),
+            lambda: COMM.Iallreduce(IN_PLACE, a, SUM).Wait(),
+            lambda: COMM.Iallreduce(IN_PLACE, a, SUM).Wait()),
     }
 
 
@@ -190,8 +275,8 @@ def every_op(args, n: int) -> None:
     """The per-op table, interleaved: raw mpi4py blocking against mcrdl_torch blocking,
     raw mpi4py nonblocking + Wait against mcrdl_torch async + wait."""
     rank = dist.get_rank()
-    for nbytes in (int(s) for s in args.sizes.split(",")):
-        paths = op_paths(nbytes, n, rank)
+    for backend, nbytes in ((b, int(s)) for b in ("mpi", "auto") for s in args.sizes.split(",")):
+        paths = op_paths(nbytes, n, rank, backend)
         fns = [f for four in paths.values() for f in four]
         for fn in fns:
             for _ in range(5):
@@ -199,8 +284,11 @@ def every_op(args, n: int) -> None:
         times = interleaved_batches(fns, [args.calls] * len(fns), args.rounds)
         med = [statistics.median(times[i]) * 1e6 for i in range(len(fns))]
         if rank == 0:
+            how = ("'mpi'" if backend == "mpi" else
+                   f"'auto' (a table of two ranges per op, mpi up to {args.split or 1024} B and "
+                   "above)")
             print(f"\n{nbytes} B float32 per rank, {n} ranks, {times.shape[1]} rounds, backend "
-                  "'mpi', median per call (slowest rank), µs:")
+                  f"{how}, median per call (slowest rank), µs:")
             print(f"{'':28s} {'blocking':>26s}   {'async + wait':>35s}")
             print(f"{'op':28s} {'mpi4py':>8s} {'mcrdl':>8s} {'added':>8s}   {'mpi4py I*':>9s} "
                   f"{'mcrdl':>8s} {'added':>8s} {'vs blk':>8s}")
@@ -218,7 +306,8 @@ def main():
     ap.add_argument("--split", type=int, default=None, metavar="BYTES",
                     help="the tuning table's all_reduce entry in two ranges, mpi up to BYTES "
                          "and mpi above (auto then runs a call by table range) instead of "
-                         "one open range")
+                         "one open range; --table ops: where every op's two ranges meet "
+                         "(default 1024)")
     ap.add_argument("--table", choices=["all_reduce", "ops", "both"], default="both",
                     help="all_reduce: every frontend's all-reduce (JAX too); ops: every op "
                          "through mcrdl_torch against its raw mpi4py call")
@@ -226,13 +315,20 @@ def main():
     dist.init_process_group()
     rt = mcrdl_core.get_runtime()
     n = dist.get_world_size()
+    if args.table in ("ops", "both"):  # every op: two ranges, mpi and mpi
+        two = [[args.split or 1024, "mpi"], [None, "mpi"]]
+        rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
+            {"op": op, "world_size": n, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
+             "dtype_class": "float", "ranges": two}
+            for op in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+                       "all_to_all", "gather", "scatter", "send", "recv", "barrier")]},
+            "<overhead benchmark>"))
+        every_op(args, n)
     rt.set_table(TuningTable({"schema": SCHEMA, "entries": [
         {"op": "all_reduce", "world_size": n, "hosts": len(rt.bootstrap.hosts), "device": "cpu",
          "dtype_class": "float",
          "ranges": [[None, "mpi"]] if args.split is None else [[args.split, "mpi"], [None, "mpi"]]}
     ]}, "<overhead benchmark>"))
-    if args.table in ("ops", "both"):
-        every_op(args, n)
     for nbytes in (int(s) for s in args.sizes.split(",")) if args.table != "ops" else ():
         paths = paths_for(nbytes, n)
         names = list(paths)
