@@ -24,9 +24,10 @@ CODECS = "fp16,bf16"  # default of --codecs: what "tuned + codecs" allows, on al
 
 #: the ops whose codecs the "tuned + codecs" variant allows, per app (default: all_to_all,
 #: the exchanges of DLRM and MoE); FSDP moves its weights and gradients by all-gather and
-#: reduce-scatter
-CODEC_OPS = {"fsdp": ("all_gather", "reduce_scatter")}
-_SHORT = {"all_to_all": "a2a", "all_gather": "ag", "reduce_scatter": "rs"}
+#: reduce-scatter, the Megatron-style app its activations (TP) and gradients (DP) by
+#: all-reduce
+CODEC_OPS = {"fsdp": ("all_gather", "reduce_scatter"), "megatron": ("all_reduce",)}
+_SHORT = {"all_to_all": "a2a", "all_gather": "ag", "reduce_scatter": "rs", "all_reduce": "ar"}
 
 
 def codec_variant(codecs: str, app: str | None = None) -> tuple:

@@ -1,5 +1,6 @@
 """The apps table: DLRM and MoE (bench/apps/dlrm.py, moe.py; an FSDP2 transformer,
-bench/apps/fsdp.py, with ``--apps fsdp``; DeepSpeed's MoE layer,
+bench/apps/fsdp.py, with ``--apps fsdp``; a Megatron-style tensor- and data-parallel
+transformer, bench/apps/megatron.py, with ``--apps megatron``; DeepSpeed's MoE layer,
 bench/apps/ds_moe.py, with ``--apps ds_moe``; facebookresearch/dlrm's program,
 bench/apps/fb_dlrm.py, with ``--apps fb_dlrm --dlrm CHECKOUT``) on torch's Gloo and on
 MCR-DL's registered backend, samples per second and communication share.
@@ -19,8 +20,8 @@ Per app and rank count it launches (``mpiexec -n N``, the programs unchanged but
 - ``mcrdl: tuned + a2a fp16+bf16``: the same table, and the job allows the codecs of
   ``--codecs`` on its all-to-alls (``MCRDL_COMPRESSION=all_to_all=auto:fp16+bf16``): the
   table's compressed all-to-all measurements decide where (and which) pays; for
-  ``fsdp`` the codecs are allowed on its all-gathers and reduce-scatters instead
-  (``launching.CODEC_OPS``);
+  ``fsdp`` the codecs are allowed on its all-gathers and reduce-scatters instead, for
+  ``megatron`` on its all-reduces (``launching.CODEC_OPS``);
 - ``mcrdl: mpi (A/A)``: forced MPI again, the noise floor;
 - with ``--mixed``: all_to_all on one library, all_reduce on the other (both ways).
 
@@ -70,8 +71,9 @@ REFERENCE = "mcrdl: mpi"
 #: ``--apps``) always runs at a fixed capacity (its default 1.25), in MoE's shapes.
 _COMM = {"dlrm": ["--tables", "26", "--bag", "1", "--bottom", "64", "--top", "64"],
          "moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"],
-         "ds_moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"], "fsdp": []}
-SHAPES = {"default": {"dlrm": [], "moe": [], "ds_moe": [], "fsdp": []},
+         "ds_moe": ["--hidden", "512", "--ffn", "128", "--tokens", "1024"], "fsdp": [],
+         "megatron": []}
+SHAPES = {"default": {"dlrm": [], "moe": [], "ds_moe": [], "fsdp": [], "megatron": []},
           "comm": _COMM,
           "comm-cap": {**_COMM, "moe": _COMM["moe"] + ["--capacity-factor", "1.25"]}}
 
@@ -128,9 +130,11 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     p.add_argument("--apps", nargs="+", default=["dlrm", "moe"],
-                   choices=["dlrm", "moe", "ds_moe", "fb_dlrm", "fsdp"],
-                   help="fsdp: a small transformer LM sharded with FSDP2 (its codecs on "
+                   choices=["dlrm", "moe", "ds_moe", "fb_dlrm", "fsdp", "megatron"],
+                   help="fsdp: GPT-2 (transformers) sharded with FSDP2 (its codecs on "
                         "all_gather and reduce_scatter); "
+                        "megatron: tensor parallel inside each host, data parallel across "
+                        "(its codecs on all_reduce); "
                         "ds_moe: DeepSpeed's MoE layer, unchanged (needs deepspeed); "
                         "fb_dlrm: facebookresearch/dlrm's dlrm_s_pytorch.py, unchanged "
                         "(needs --dlrm)")
