@@ -71,11 +71,38 @@ from ..base.ops import Op, ReduceOp
 from ..base.tags import is_user_tag as _user_tag
 from ..engine.progress import spin as _spin
 from ..engine.work import conflicts as _conflicts
+from ..observe import recorder as _rec
 from . import selection as _sel
 from . import validate as _v
 
 #: returned when the fast path does not apply: the caller takes the general path
 MISS = object()
+
+# The flight recorder (observe/recorder.py): each plan carries its calls' static part
+# (``_Plan.desc``, made once per memo key with the rule that chose the backend), and
+# each call issued here, bound or not, appends one entry (``_note``: its sequence
+# number on the group, the time, the element count the general path records too) and
+# sets its end when a blocking call returns; an async one keeps its Work.
+_REC = _rec.ON
+_note = _rec.call
+_undo = _rec.undo
+
+
+class _Plan(tuple):
+    """A memo plan: (backend instance, issuer or None, reduce op, compiled issuer or
+    None), with ``desc``, the flight recorder's static part of its calls (None where
+    the recorder is off)."""
+
+    desc = None
+
+
+def _planned(rt, op, g, buf, backend, red, root, nbytes, be, issue, blocking) -> _Plan:
+    plan = _Plan((be, issue, red, blocking))
+    if _REC:
+        rule = rt.select(op, g, buf, backend, red, nbytes, why=True)[1]
+        plan.desc = _rec.describe(g, op, buf.dtype, be.name, None, None, rule, False, red,
+                                  root)
+    return plan
 
 # os.environ's own dict (another platform without it: os.environ itself)
 _ENV = getattr(os.environ, "_data", os.environ)
@@ -114,7 +141,7 @@ def _plan(rt, g, buf, backend, op):
         return be, None, red, None  # the table names an algorithm: the general path runs it
     issue = be.fast_all_reduce(g, buf.dtype, red)
     blocking = None if issue is None else be.fast_blocking(Op.ALL_REDUCE, g, buf.dtype, red)
-    return be, issue, red, blocking
+    return _planned(rt, Op.ALL_REDUCE, g, buf, backend, red, None, -1, be, issue, blocking)
 
 
 def all_reduce(rt, buf, op, group, async_op: bool, backend):
@@ -178,13 +205,19 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     logging_on = rt.logger.enabled
     if logging_on:
         t0 = time.perf_counter()
+    desc = getattr(plan, "desc", None)
+    e = None if desc is None else _note(desc, count)
     if async_op:  # (nothing in flight: no memory to check)
         nbytes = count * dtype.itemsize
         ptr = _address(mem)
         work = be.fast_launch(Op.ALL_REDUCE, g, issue, (mem, count),
                               ((ptr, ptr + nbytes, True),), (owner,), eng)
         if work is None:  # (cannot happen with nothing in flight; the general path judges)
+            if e is not None:
+                _undo(e)
             return MISS
+        if e is not None:
+            e[5] = work
         if logging_on:  # (if it completed meanwhile, add_finalizer records at once)
             work.add_finalizer(lambda: rt.logger.record("all_reduce", nbytes, be.name,
                                                         g.size, time.perf_counter() - t0))
@@ -203,6 +236,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     if req is not None:  # not done within the spin: the engine's loop (timeout, diagnostics)
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
+    if e is not None:
+        e[6] = _now()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
                                   time.perf_counter() - t0))
@@ -277,7 +312,8 @@ def _plan_op(rt, op, g, buf, backend, red=None, root=None, nbytes=-1):
         return be, None, red, None  # the table names an algorithm: the general path runs it
     issue = be.fast_issuer(op, g, buf.dtype, red, root)
     blocking = None if issue is None else be.fast_blocking(op, g, buf.dtype, red, root)
-    return be, issue, red, blocking
+    return _planned(rt, op, g, buf, backend, red, None if root == "v" else root, nbytes, be,
+                    issue, blocking)
 
 
 def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
@@ -300,6 +336,48 @@ def _lookup(rt, tag, g, dtype, backend, extra, nbytes, buf, plan_args):
 
 def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
          source=False):
+    """``_issue_run``, and the flight recorder's entry of the call (taken back where it
+    was not issued: MISS)."""
+    desc = getattr(plan, "desc", None)
+    if desc is None:  # (the recorder is off)
+        return _issue_run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
+                          source)
+    count, extra = _FACTS[op](args, g)
+    e = _note(desc, count, extra)
+    done = _issue_run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
+                      source)
+    if done is MISS:
+        _undo(e)
+    elif async_op:
+        e[5] = done
+    else:
+        e[6] = _now()
+    return done
+
+
+def _a2a_facts(args, g):
+    """all_to_all's element count and splits, as the general path records them: the
+    input's elements (even: a block per rank; by split sizes; the list form's first
+    block)."""
+    if len(args) == 3:
+        return args[2] * g.size, None
+    if len(args) == 8:
+        return args[4], (args[6], args[7])
+    return args[3][0], None
+
+
+#: (element count, extra) of a call from its issuer's arguments, per op: the count the
+#: general path records (its Call's buffer), so every path of one call records alike
+_FACTS = {Op.BROADCAST: lambda a, g: (a[1], None), Op.REDUCE: lambda a, g: (a[1], None),
+          Op.ALL_REDUCE: lambda a, g: (a[1], None),
+          Op.ALL_GATHER: lambda a, g: (a[2], None), Op.REDUCE_SCATTER: lambda a, g: (a[2], None),
+          Op.GATHER: lambda a, g: (a[2], None), Op.SCATTER: lambda a, g: (a[2], None),
+          Op.SEND: lambda a, g: (a[1], (a[2], a[3])), Op.RECV: lambda a, g: (a[1], (a[2], a[3])),
+          Op.BARRIER: lambda a, g: (1, None), Op.ALL_TO_ALL: _a2a_facts}
+
+
+def _issue_run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
+               source=False):
     """Issue the ``plan``'s call on ``args`` and finish it: register it (async) or
     complete it (blocking: poll the request alone while nothing else is in flight, else
     the engine's wait). ``[rlo, rhi)`` is the memory the call reads, ``[wlo, whi)`` what
@@ -676,9 +754,17 @@ def _listed(rt, plan, op, g, prep, fixed, x, y, z, owners, async_op, backend, bi
             return MISS  # (the general path orders, records)
         args, spans, _ = prep(fixed, x, y, z, True)
         work = plan[0].fast_launch(op, g, plan[1], args, spans, owners, eng)
-        if work is None or async_op:
-            return MISS if work is None else work
+        if work is None:
+            return MISS
+        desc = getattr(plan, "desc", None)
+        e = None if desc is None else _note(desc, *_FACTS[op](args, g))
+        if async_op:
+            if e is not None:
+                e[5] = work
+            return work
         work.wait()
+        if e is not None:
+            e[6] = _now()
         return None
     args, ((rlo, rhi, _), (wlo, whi, _)), nbytes = prep(fixed, x, y, z)
     return _run(rt, plan, op, g, args, owners, async_op, nbytes, rlo, rhi, wlo, whi)
@@ -819,8 +905,12 @@ def batch(rt, items, group, backend, bufs=None):
     if eng.inflight and _conflicts(eng.inflight, spans):
         return MISS
     works = []
-    for (be, issue, _, _), op, args, span, keep in todo:
+    for plan, op, args, span, keep in todo:
+        be, issue, _, _ = plan
         works.append(be.fast_launch(op, g, issue, args, span, keep, eng))
+        desc = getattr(plan, "desc", None)
+        if desc is not None:
+            _note(desc, args[1], (args[2], args[3]))[5] = works[-1]
     return works
 
 
@@ -918,6 +1008,7 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     alone = not async_op or op is Op.ALL_REDUCE
     name, bname, size = op.value, be.name, g.size  # (a logger record's fields)
+    desc = getattr(plan, "desc", None)  # (None: the recorder is off)
 
     def call(ptr, count, owner):
         logging_on = rt.logger.enabled
@@ -928,13 +1019,20 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
         if async_op:  # (spans: only the memory it touches; an empty span never conflicts)
             work = launch(op, g, issue, (ptr, count), ((ptr, ptr + count * isz, True),),
                           (owner,), eng)
-            return MISS if work is None else work
+            if work is None:
+                return MISS
+            if desc is not None:
+                _note(desc, count)[5] = work
+            return work
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, count)
         left = blocking(eng.spin_s, ptr, count)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
                          (ptr, ptr + count * isz, True)), (owner,)).wait()
+        if e is not None:
+            e[6] = _now()
         if logging_on:
             rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
         return None
@@ -949,6 +1047,7 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
     name, bname = op.value, be.name
+    desc = getattr(plan, "desc", None)  # (None: the recorder is off)
 
     def call(out_ptr, out_count, in_ptr, in_count, owners):
         small, big = (in_count, out_count) if gathers else (out_count, in_count)
@@ -962,13 +1061,20 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
         if async_op:
             work = launch(op, g, issue, (out_ptr, in_ptr, small),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
-            return MISS if work is None else work
+            if work is None:
+                return MISS
+            if desc is not None:
+                _note(desc, small)[5] = work
+            return work
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, small)
         left = blocking(eng.spin_s, out_ptr, in_ptr, small)
         if left is not None:
             be.fast_work(op, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
+        if e is not None:
+            e[6] = _now()
         if logging_on:  # (the entry's figure: the big block's bytes)
             rt.logger.records.append((name, big * isz, bname, n, _now() - t0))
         return None
@@ -982,6 +1088,7 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
     eng = rt.engine
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
+    desc = getattr(plan, "desc", None)  # (None: the recorder is off)
 
     bname = be.name
 
@@ -997,13 +1104,20 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
         if async_op:
             work = launch(Op.ALL_TO_ALL, g, issue, (out_ptr, in_ptr, in_count // n),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
-            return MISS if work is None else work
+            if work is None:
+                return MISS
+            if desc is not None:
+                _note(desc, in_count)[5] = work
+            return work
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, in_count)
         left = blocking(eng.spin_s, out_ptr, in_ptr, in_count // n)
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
+        if e is not None:
+            e[6] = _now()
         if logging_on:
             rt.logger.records.append(("all_to_all", in_count * isz, bname, n, _now() - t0))
         return None
@@ -1018,6 +1132,7 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
 
     bname, size = be.name, g.size
+    desc = getattr(plan, "desc", None)  # (None: the recorder is off)
 
     def call(out_ptr, out_count, out_rows, in_ptr, in_count, in_rows, out_splits, in_splits,
              owners):
@@ -1032,16 +1147,25 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
             work = launch(Op.ALL_TO_ALL, g, issue, (out_ptr, out_count, out_rows, in_ptr,
                                                     in_count, in_rows, out_splits, in_splits),
                           ((in_ptr, in_end, False), (out_ptr, out_end, True)), owners, eng)
-            return MISS if work is None else work
+            if work is None:
+                return MISS
+            if desc is not None:
+                _note(desc, in_count, (out_splits, in_splits))[5] = work
+            return work
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, in_count, (out_splits, in_splits))
         left = blocking(eng.spin_s, out_ptr, out_count, out_rows, in_ptr, in_count, in_rows,
                         out_splits, in_splits)
         if left is False:  # (splits that do not fit: nothing was sent)
+            if e is not None:
+                _undo(e)
             return MISS
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
+        if e is not None:
+            e[6] = _now()
         if logging_on:
             rt.logger.records.append(("all_to_all", in_count * isz, bname, size, _now() - t0))
         return None
@@ -1059,6 +1183,7 @@ def _bind_barrier(rt, g, plan, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
 
     bname, size = be.name, g.size
+    desc = getattr(plan, "desc", None)  # (None: the recorder is off)
 
     def call():
         logging_on = rt.logger.enabled
@@ -1067,12 +1192,19 @@ def _bind_barrier(rt, g, plan, async_op):
             return MISS
         if async_op:
             work = launch(Op.BARRIER, g, issue, (), _NO_MEMORY, (), eng)
-            return MISS if work is None else work
+            if work is None:
+                return MISS
+            if desc is not None:
+                _note(desc, 1)[5] = work
+            return work
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, 1)
         left = blocking(eng.spin_s)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(Op.BARRIER, g, be.fast_request(left), _NO_MEMORY, ()).wait()
+        if e is not None:
+            e[6] = _now()
         if logging_on:
             rt.logger.records.append(("barrier", 0, bname, size, _now() - t0))
         return None
@@ -1089,6 +1221,7 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     ranks = g.ranks
     receives = op is Op.RECV
     name, bname, size = op.value, be.name, g.size
+    desc = getattr(plan, "desc", None)  # (None: the recorder is off)
 
     def call(ptr, count, tag, owner):
         logging_on = rt.logger.enabled
@@ -1099,19 +1232,27 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
         if async_op or eng.inflight:  # (a receive's Work has the source as ``value``)
             work = launch(op, g, issue, (ptr, count, peer, tag), ((ptr, end, receives),),
                           (owner,), eng)
-            if work is None or async_op:
-                return MISS if work is None else work
+            if work is None:
+                return MISS
+            e = None if desc is None else _note(desc, count, (peer, tag))
+            if async_op:
+                if e is not None:
+                    e[5] = work
+                return work
             # blocking with other work in flight: registered like an async call (its
             # memory checked against what is in flight), then waited (the compiled spin
             # while every work in flight is MPI's, else the engine's wait)
             if logging_on:
                 t0 = _now()
             work.wait()
+            if e is not None:
+                e[6] = _now()
             if logging_on:
                 rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
             return work.value if receives else None
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, count, (peer, tag))
         left = blocking(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
             done = None if left is None else ranks[left]
@@ -1120,6 +1261,8 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
             be.fast_work(op, g, req, ((0, 0, False), (ptr, end, True)) if receives
                          else ((ptr, end, False), (0, 0, True)), (owner,)).wait()
             done = ranks[req.source()] if receives else None
+        if e is not None:
+            e[6] = _now()
         if logging_on:
             rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
         return done
@@ -1136,6 +1279,7 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
     eng = rt.engine
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     name, bname, size = op.value, be.name, g.size
+    desc, facts = getattr(plan, "desc", None), _FACTS[op]
 
     def call(x, y, z, owners):
         logging_on = rt.logger.enabled
@@ -1149,17 +1293,27 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
         args, spans, nbytes = prepared
         if logging_on:
             t0 = _now()
+        e = None if desc is None else _note(desc, *facts(args, g))
         if launched:
             work = launch(op, g, issue, args, spans, owners, eng)
             if work is None or async_op:
+                if e is not None:
+                    if work is None:
+                        _undo(e)
+                    else:
+                        e[5] = work
                 return MISS if work is None else work
             work.wait()
         else:
             left = blocking(eng.spin_s, *args)
             if left is False:  # (counts the issuer refused: nothing was sent)
+                if e is not None:
+                    _undo(e)
                 return MISS
             if left is not None:  # not done within the spin: the engine's wait
                 be.fast_work(op, g, be.fast_request(left), spans, owners).wait()
+        if e is not None:
+            e[6] = _now()
         if logging_on:
             rt.logger.records.append((name, nbytes, bname, size, _now() - t0))
         return None

@@ -186,7 +186,7 @@ def run(c: Call):
             e[_rec.OUTCOME] = work
         done = rt.finish(work, spans, c.async_op, c.log_bytes)
     except BaseException as exc:
-        e[_rec.OUTCOME] = exc
+        e[_rec.OUTCOME] = _rec.failure(exc)
         raise
     if not c.async_op:
         e[_rec.T_END] = _now()
@@ -210,7 +210,7 @@ def _finished(e, async_op, fn, *args):
     try:
         done = fn(*args)
     except BaseException as exc:
-        e[_rec.OUTCOME] = exc
+        e[_rec.OUTCOME] = _rec.failure(exc)
         raise
     if async_op:
         e[_rec.OUTCOME] = done

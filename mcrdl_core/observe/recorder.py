@@ -16,7 +16,7 @@ group's sequence number of the call: collectives count on ``Group.trace_seq``, t
 same on every member (every member makes the group's collectives in one order), point
 to point on ``Group.trace_p2p`` (one side's count only). ``count`` is the element
 count per rank, ``extra`` the peer and tag, or the split counts (a dict, or the fast path's tuple). ``outcome`` is the
-async Work, or the exception a blocking call raised; ``t_end`` is set when a blocking
+async Work, or (state, text) of the exception a blocking call raised; ``t_end`` is set when a blocking
 call returns. Times are ``time.perf_counter()``; a dump converts them to wall-clock
 seconds. Nothing is computed for a dump until one is written: the state of each entry
 (issued, completed, failed, timed out) is read then from its Work, its exception or its
@@ -96,6 +96,13 @@ def call(desc: tuple, count: int, extra=None) -> list:
     e = [desc, seq, _now(), count, extra, None, None, _frame() if STACK else None]
     append(e)
     return e
+
+
+def failure(exc) -> tuple:
+    """What an entry keeps of the exception its call raised: its state and text, not
+    the exception (whose traceback holds the caller's frames and their tensors)."""
+    return ("timed out" if isinstance(exc, CommTimeoutError) else "failed",
+            f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
 def undo(e) -> None:
@@ -188,8 +195,8 @@ def _state_of(e) -> tuple:
         return "completed", t_end
     if out == "lowered":
         return "lowered", None
-    if isinstance(out, BaseException):
-        return ("timed out" if isinstance(out, CommTimeoutError) else "failed"), None
+    if out.__class__ is tuple:  # (state, text): the exception a blocking call raised
+        return out[0], None
     if out is not None:  # an async Work
         if getattr(out, "done", False):
             err = getattr(out, "error", None)
@@ -227,8 +234,8 @@ def _entry_json(e, wall) -> dict:
             extra = {k: _plain(v) for k, v in zip(_EXTRA.get(d[D_OP], ()), extra)
                      if v is not None}
         out.update(extra)
-    if isinstance(e[OUTCOME], BaseException):
-        out["error"] = f"{type(e[OUTCOME]).__name__}: {str(e[OUTCOME])[:300]}"
+    if e[OUTCOME].__class__ is tuple:
+        out["error"] = e[OUTCOME][1]
     if e[FRAME]:
         out["frame"] = e[FRAME]
     return out
