@@ -141,8 +141,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "where each rank writes its flight-recorder dump (`rank-N.json`), read by "
         "`mcrdl trace DIR`"),
     Var("MCRDL_TRACE_STACK", "bool", False, "off",
-        "the flight recorder also keeps the calling Python frame of each call (costs a "
-        "few µs a call; general path only)", _bool),
+        "the flight recorder also keeps the calling Python frame of each call (a few µs "
+        "more a call)", _bool),
     Var("MCRDL_EXIT_GUARD", "bool", True, "on",
         "after a fault, leave by `os._exit` instead of a normal exit that can hang in "
         "`MPI_Finalize`", _bool),
