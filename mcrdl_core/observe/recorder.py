@@ -113,10 +113,13 @@ def undo(e) -> None:
         g.trace_p2p -= 1
     else:
         g.trace_seq -= 1
-    try:
-        ring.remove(e)
-    except ValueError:  # (dropped from the ring meanwhile)
-        pass
+    for i in range(1, min(len(ring), 64) + 1):  # the newest, unless a thread added more
+        try:
+            if ring[-i] is e:
+                del ring[-i]
+                return
+        except IndexError:  # (another thread changed the ring meanwhile)
+            return
 
 
 #: what a tuple ``extra`` (the fast path's, cheaper than a dict) holds, by op
