@@ -435,20 +435,13 @@ def batch_isend_irecv(p2p_op_list, backend=None) -> list:
     """torch.distributed's ``batch_isend_irecv`` (``mcrdl_core.batch_isend_irecv``):
     one Work per op. Where every op is a ``P2POp`` of a plain contiguous CPU tensor on
     one group, the ops go to the core's fast path on their tensors' facts
-    (``fastpath.batch``); otherwise, or where it steps aside, to the core's call."""
+    (``fastpath.batch_ops``, which reads them in one loop); otherwise, or where it steps
+    aside, to the core's call."""
     ops = p2p_op_list
     if type(ops) is list and ops and type(ops[0]) is P2POp:
-        group = ops[0].group
-        items = []
-        for o in ops:
-            t = o.tensor if type(o) is P2POp and o.group is group else None
-            if type(t) not in _PLAIN or (f := _one(t)) is None:
-                break
-            items.append((o.is_send, f[0], f[1], _DTYPES.get(t.dtype), o.peer, o.tag, t))
-        else:
-            done = _fp.batch(_rt(), items, group, backend)
-            if done is not _MISS:
-                return done
+        done = _fp.batch_ops(_rt(), ops, backend, _one, _DTYPES, _PLAIN)
+        if done is not _MISS:
+            return done
     return _core.batch_isend_irecv(p2p_op_list, backend)
 
 

@@ -863,55 +863,146 @@ def batch(rt, items, group, backend, bufs=None):
     of the batch where one of them writes, an observer or the logger on, deferred
     work): the general path then checks, orders and issues the batch. ``bufs``: the
     general path's Buffers, which fill the memo."""
-    if rt.observed or rt.logger.enabled:
+    begun = _batch_begin(rt, group, backend)
+    if begun is None:
         return MISS
-    g = rt.group(group)
-    eng = rt.engine
-    if eng.pending:
-        return MISS
-    # the memo keys of ``_lookup`` (send and recv: one answer of ``table_decides``, since
-    # both select from the table's "send" entry, selection._P2P_KEYS)
-    decides = rt.table is not None and rt.table_decides(Op.SEND, g, backend)
+    g, eng, decides = begun
     choice = rt.choices
     todo = []
     spans = []
     for i, (sends, ptr, count, dtype, peer, tag, owner) in enumerate(items):
-        if dtype is None or not _user_tag(tag):
+        hit = _batch_op_plan(rt, g, choice, sends, dtype, peer, tag, count, backend, decides,
+                             None if bufs is None else bufs[i])
+        if hit is None or not _batch_add(todo, spans, hit, sends, ptr, count, tag, owner):
             return MISS
-        try:
-            p = g.group_rank(peer)
-        except _v.InvalidArgumentError:  # (the general path raises it, naming the op)
-            return MISS
-        end = ptr + count * dtype.itemsize
-        key = ((_T_SEND if sends else _T_RECV, g, dtype, backend, None, end - ptr) if decides
-               else (_T_SEND if sends else _T_RECV, g, dtype, backend, None))
-        try:
-            plan = choice.get(key)
-        except TypeError:  # an unhashable argument: let the general path judge it
-            return MISS
-        op = Op.SEND if sends else Op.RECV
-        if plan is None:
-            if bufs is None:
-                return MISS
-            plan = choice[key] = _plan_op(rt, op, g, bufs[i], backend)
-        if plan[3] is None:
-            return MISS
-        for lo, hi, writes in spans:  # within the batch
-            if (writes or not sends) and lo < end and ptr < hi:
-                return MISS
-        span = (ptr, end, not sends)
-        spans.append(span)
-        todo.append((plan, op, (ptr, count, p, tag), (span,), (owner,)))
+    return _batch_launch(g, eng, todo, spans)
+
+
+def _batch_begin(rt, group, backend):
+    """(group, engine, whether a table decides p2p by size) for a batch on the fast
+    path, or None where it steps aside (an observer, the logger on, deferred work).
+    Send and recv share one answer of ``table_decides``: both select from the table's
+    "send" entry (selection._P2P_KEYS)."""
+    if rt.observed or rt.logger.enabled:
+        return None
+    g = rt.group(group)
+    eng = rt.engine
+    if eng.pending:
+        return None
+    return g, eng, rt.table is not None and rt.table_decides(Op.SEND, g, backend)
+
+
+def _batch_add(todo, spans, hit, sends, ptr, count, tag, owner) -> bool:
+    """Add one op (its ``_batch_op_plan``) to a batch's ``todo``; False where its memory
+    meets another op's of the batch and one of them writes (the general path orders it)."""
+    plan, op, p, isz, desc = hit
+    end = ptr + count * isz
+    for lo, hi, writes in spans:
+        if (writes or not sends) and lo < end and ptr < hi:
+            return False
+    span = (ptr, end, not sends)
+    spans.append(span)
+    todo.append((plan, op, ptr, count, p, tag, span, owner, desc))
+    return True
+
+
+def _batch_launch(g, eng, todo, spans):
+    """Issue and register every op of a batch (one Work each, with its recorder entry),
+    or MISS, before anything is issued, where its memory meets work in flight."""
     if eng.inflight and _conflicts(eng.inflight, spans):
         return MISS
     works = []
-    for plan, op, args, span, keep in todo:
-        be, issue, _, _ = plan
-        works.append(be.fast_launch(op, g, issue, args, span, keep, eng))
-        desc = getattr(plan, "desc", None)
+    for plan, op, ptr, count, p, tag, span, owner, desc in todo:
+        work = plan[0].fast_launch(op, g, plan[1], (ptr, count, p, tag), (span,), (owner,), eng)
+        works.append(work)
         if desc is not None:
-            _note(desc, args[1], (args[2], args[3]))[5] = works[-1]
+            _note(desc, count, (p, tag))[5] = work
     return works
+
+
+_T_BATCH = "fast:batch_isend_irecv"  # a group's and backend's memo of batch ops
+_BATCH_MEMO_MAX = 256  # ops remembered per memo (peers x tags x dtypes x sizes), then it starts over
+
+
+def batch_ops(rt, ops, backend, facts, dtypes, plain):
+    """``batch_isend_irecv`` of the frontend's ``ops`` (a non-empty list of the core's
+    ``P2POp``), read in one loop: ``facts(tensor)`` gives ``(address, count)`` of a
+    plain contiguous host tensor of a type in ``plain`` (else None), ``dtypes`` maps the
+    framework's dtype to the core's. The same calls as ``batch`` (same plans, checks and
+    launches), but each op's plan, peer's group rank and entry description come from a
+    memo of the group and backend keyed by what fixes them (send or receive, dtype,
+    peer, tag, and the size where a tuning table decides), so that a batch the program
+    issues every step pays, per op, a facts read, a dict lookup, the span checks and the
+    launch. An op not in the memo yet is judged as ``batch`` judges it; MISS (nothing
+    issued) wherever ``batch`` would return it, or where the memo has no plan yet (the
+    general path, through ``batch``, makes it)."""
+    group = ops[0].group
+    begun = _batch_begin(rt, group, backend)
+    if begun is None:
+        return MISS
+    g, eng, decides = begun
+    choice = rt.choices
+    mkey = (_T_BATCH, g, backend)
+    try:
+        memo = choice.get(mkey)
+    except TypeError:  # an unhashable backend argument: the general path judges it
+        return MISS
+    if memo is None or len(memo) > _BATCH_MEMO_MAX:
+        memo = choice[mkey] = {}
+    cls = ops[0].__class__
+    todo = []
+    spans = []
+    for o in ops:
+        t = o.tensor
+        if o.__class__ is not cls or o.group is not group or t.__class__ not in plain:
+            return MISS
+        f = facts(t)
+        if f is None:
+            return MISS
+        ptr, count = f
+        sends, tag = o.is_send, o.tag
+        k = (sends, t.dtype, o.peer, tag, count if decides else None)
+        try:
+            hit = memo.get(k)
+        except TypeError:  # an unhashable peer or tag: the general path judges it
+            return MISS
+        if hit is None:
+            hit = _batch_op_plan(rt, g, choice, sends, dtypes.get(t.dtype), o.peer, tag,
+                                 count, backend, decides)
+            if hit is None:
+                return MISS
+            memo[k] = hit
+        if not _batch_add(todo, spans, hit, sends, ptr, count, tag, t):
+            return MISS
+    return _batch_launch(g, eng, todo, spans)
+
+
+def _batch_op_plan(rt, g, choice, sends, dtype, peer, tag, count, backend, decides,
+                   buf=None):
+    """(plan, op, peer's group rank, item size, entry description) of one op of a
+    batch, from the memo of single isends and irecvs (made from ``buf``, the general
+    path's Buffer, where it has no plan yet), or None where the batch steps aside for
+    it (no dtype, not a user's tag, a peer outside the group, no plan, no compiled
+    issuer)."""
+    if dtype is None or not _user_tag(tag):
+        return None
+    try:
+        p = g.group_rank(peer)
+    except _v.InvalidArgumentError:  # (the general path raises it, naming the op)
+        return None
+    tag_ = _T_SEND if sends else _T_RECV
+    key = ((tag_, g, dtype, backend, None, count * dtype.itemsize) if decides
+           else (tag_, g, dtype, backend, None))
+    try:
+        plan = choice.get(key)
+    except TypeError:  # an unhashable argument: let the general path judge it
+        return None
+    op = Op.SEND if sends else Op.RECV
+    if plan is None and buf is not None:
+        plan = choice[key] = _plan_op(rt, op, g, buf, backend)
+    if plan is None or plan[3] is None:
+        return None
+    return (plan, op, p, dtype.itemsize, getattr(plan, "desc", None))
 
 
 
