@@ -86,6 +86,7 @@ MISS = object()
 _REC = _rec.ON
 _note = _rec.call
 _undo = _rec.undo
+_append, _STACK, _frame = _rec.append, _rec.STACK, _rec.frame
 
 
 class _Plan(tuple):
@@ -205,18 +206,21 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     logging_on = rt.logger.enabled
     if logging_on:
         t0 = time.perf_counter()
-    desc = getattr(plan, "desc", None)
-    e = None if desc is None else _note(desc, count)
+    desc = plan.desc if plan.__class__ is _Plan else None
+    if desc is not None:  # (recorder.call, inlined)
+        g.trace_seq = seq = g.trace_seq + 1
+        e = [desc, seq, _now(), count, None, None, None, _frame() if _STACK else None]
+        _append(e)
     if async_op:  # (nothing in flight: no memory to check)
         nbytes = count * dtype.itemsize
         ptr = _address(mem)
         work = be.fast_launch(Op.ALL_REDUCE, g, issue, (mem, count),
                               ((ptr, ptr + nbytes, True),), (owner,), eng)
         if work is None:  # (cannot happen with nothing in flight; the general path judges)
-            if e is not None:
+            if desc is not None:
                 _undo(e)
             return MISS
-        if e is not None:
+        if desc is not None:
             e[5] = work
         if logging_on:  # (if it completed meanwhile, add_finalizer records at once)
             work.add_finalizer(lambda: rt.logger.record("all_reduce", nbytes, be.name,
@@ -236,7 +240,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     if req is not None:  # not done within the spin: the engine's loop (timeout, diagnostics)
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
-    if e is not None:
+    if desc is not None:
         e[6] = _now()
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
@@ -1117,12 +1121,15 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
             return work
         if logging_on:
             t0 = _now()
-        e = None if desc is None else _note(desc, count)
+        if desc is not None:  # (recorder.call, inlined: the hottest path, 60 ns less)
+            g.trace_seq = seq = g.trace_seq + 1
+            e = [desc, seq, _now(), count, None, None, None, _frame() if _STACK else None]
+            _append(e)
         left = blocking(eng.spin_s, ptr, count)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
                          (ptr, ptr + count * isz, True)), (owner,)).wait()
-        if e is not None:
+        if desc is not None:
             e[6] = _now()
         if logging_on:
             rt.logger.records.append((name, count * isz, bname, size, _now() - t0))

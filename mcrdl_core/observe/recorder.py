@@ -93,7 +93,7 @@ def call(desc: tuple, count: int, extra=None) -> list:
         seq = g.trace_p2p = g.trace_p2p + 1
     else:
         seq = g.trace_seq = g.trace_seq + 1
-    e = [desc, seq, _now(), count, extra, None, None, _frame() if STACK else None]
+    e = [desc, seq, _now(), count, extra, None, None, frame() if STACK else None]
     append(e)
     return e
 
@@ -132,10 +132,10 @@ def lowered(desc: tuple, count: int, extra=None) -> None:
     number, since its runs are the program's, not the core's."""
     if ON:
         append([desc, None, _now(), count, extra, "lowered", None,
-                _frame() if STACK else None])
+                frame() if STACK else None])
 
 
-def _frame():
+def frame():
     """The first frame outside MCR-DL's packages: "file:line in function"."""
     f = sys._getframe(2)
     while f is not None:
