@@ -446,6 +446,20 @@ def test_load_report_quiet_and_busy(monkeypatch):
         assert part in text, text
 
 
+def test_a_load_left_by_exited_processes_is_no_warning(monkeypatch):
+    """A one-minute load average of 2 before the run on a 2-core host whose other
+    processes were idle during it (the previous step of ``make demo``, its two ranks
+    gone) gives no warning; the same load with others busy, or unmeasured, does."""
+    monkeypatch.setattr(sweep.os, "sysconf", lambda name: 100)
+    after_a_step = sweep.load_report([rank_figures(load=2.0, own=9.0)] * 2)
+    assert after_a_step["warnings"] == []
+    busy = sweep.load_report([rank_figures(load=2.0, busy=15.0, own=9.0)] * 2)
+    assert any("load average 2.00" in w for w in busy["warnings"]), busy["warnings"]
+    unmeasured = dict(rank_figures(load=2.0), stat=None)
+    assert any("load average 2.00" in w
+               for w in sweep.load_report([unmeasured] * 2)["warnings"])
+
+
 def test_round_spread_and_order():
     assert sweep.round_spread({"x": {4: {"mpi": np.ones(10)}}}) == 0.0
     assert sweep.round_spread({"x": {4: {"mpi": rounds(10, spread=1.0)}}}) > sweep.SPREAD_WARN
@@ -509,7 +523,9 @@ def test_timed_blocks_runs_each_column_as_one_block_in_the_rounds_order():
 
 def test_block_plan_is_the_slowest_ranks():
     """The plan comes from the figures after ``slowest`` (the MAX over ranks), so every
-    rank runs the same blocks; each function warms up before it is timed."""
+    rank runs the same blocks; each function warms up before it is timed, in two passes
+    over the functions in opposite orders (a function right after a slow one is also
+    estimated before it)."""
     log = []
     fns = [lambda c=c: log.append(c) for c in "ab"]
 
@@ -518,7 +534,9 @@ def test_block_plan_is_the_slowest_ranks():
 
     plan = sweep.block_plan(fns, 3, lambda: log.append("|"), slowest)
     assert plan == [(34, 333), (1, 2)]
-    assert log == ["|"] + ["a"] * 5 + ["|"] + ["b"] * 5
+    one = 3 + sweep.PROBES  # warm-up and timed calls of one function in one pass
+    assert log == (["|"] + ["a"] * one + ["|"] + ["b"] * one
+                   + ["|"] + ["b"] * one + ["|"] + ["a"] * one)
 
 
 def test_control_backend(capsys):

@@ -169,9 +169,10 @@ class Runtime:
         else ``MCRDL_BACKEND`` (for ``op``, else for every op); "auto" names none."""
         if backend is None:
             backend = group.backend
-        if backend not in (None, "auto"):
+        if backend is not None and backend != "auto":
             return backend
-        return self.override.get(op.value) or self.override.get("*")
+        ov = self.override
+        return (ov.get(op.value) or ov.get("*")) if ov else None  # (usually empty: no lookups)
 
     def table_decides(self, op, group: Group, backend: str | None) -> bool:
         """Whether the tuning table chooses this call's backend, by its size: there is a

@@ -305,20 +305,34 @@ def calls_for(call_s: float, block_s: float = BLOCK_S) -> int:
     return int(min(MAX_CALLS, max(1, round(block_s / max(call_s, 1e-9)))))
 
 
+#: calls timed one by one per function and pass of ``block_plan``
+PROBES = 2
+
+
 def block_plan(fns, warmup: int, barrier, slowest) -> list[tuple[int, int]]:
-    """[(discarded, timed) calls] of each function's block, the same on every rank:
-    each function runs ``warmup`` calls, then two timed back to back; the slowest rank's
-    time of those (``slowest`` reduces an array in place with MAX over ranks) gives
-    ``discards_for`` and ``calls_for``. ``barrier()`` before each function."""
-    est = np.zeros(len(fns))
-    for i, fn in enumerate(fns):
-        barrier()
-        for _ in range(warmup):
-            fn()
-        t0 = time.perf_counter()
-        fn()
-        fn()
-        est[i] = (time.perf_counter() - t0) / 2
+    """[(discarded, timed) calls] of each function's block, the same on every rank,
+    from an estimate of each function's steady time per call: in two passes over the
+    functions, in their order and then in reverse, each runs ``warmup`` calls and then
+    ``PROBES`` calls timed one by one (a ``barrier()`` before each function); its
+    estimate is the shortest of its timed calls, then the slowest rank's (``slowest``
+    reduces an array in place with MAX over ranks), which gives ``discards_for`` and
+    ``calls_for``. Why the shortest over two passes in opposite orders: a function
+    estimated right after a slow library's calls can pay for them (mpi send/recv read
+    200-400 µs a call for a whole sweep after Gloo's, against 8 µs, when ``--backends``
+    put gloo first), and an estimate too long gives it blocks of a few calls that its
+    discarded ones no longer shield from what the previous block leaves behind."""
+    est = np.full(len(fns), np.inf)
+    clock = time.perf_counter
+    for order in (range(len(fns)), range(len(fns) - 1, -1, -1)):
+        for i in order:
+            fn = fns[i]
+            barrier()
+            for _ in range(warmup):
+                fn()
+            for _ in range(PROBES):
+                t0 = clock()
+                fn()
+                est[i] = min(est[i], clock() - t0)
     slowest(est)
     return [(discards_for(t), calls_for(t)) for t in est]
 
@@ -561,14 +575,21 @@ def load_warnings(report: dict) -> list[str]:
     """One sentence per condition that makes timings say more about the machine than
     about the backends: more ranks on a host than cores; a load average before the run
     or other processes' CPU use during it beyond the cores this job leaves free; CPU
-    steal; rounds that disagree (``round_spread``)."""
+    steal; rounds that disagree (``round_spread``). The load average counts only where
+    other processes were busy during the run too, or where that was not measured (no
+    /proc/stat): it is a one-minute average that still holds processes that have
+    exited, such as the step before this one in ``make demo`` (its two ranks read as a
+    load of 2 on a quiet 2-core machine)."""
     warn = []
     for h in report.get("hosts", ()):
         free = max(h["cores"] - h["ranks"], 0)
         where = f"host {h['host']} ({h['cores']} cores, {h['ranks']} ranks of this job)"
         if h["ranks"] > h["cores"]:
             warn.append(f"{where}: more ranks than cores, so ranks preempt each other")
-        if h.get("load_before") is not None and h["load_before"] > free + LOAD_MARGIN:
+        others_busy = (h.get("others_cores") is None
+                       or h["others_cores"] > free + OTHERS_MARGIN)
+        if (h.get("load_before") is not None and h["load_before"] > free + LOAD_MARGIN
+                and others_busy):
             warn.append(f"{where}: load average {h['load_before']:.2f} before the run")
         if h.get("others_cores") is not None and h["others_cores"] > free + OTHERS_MARGIN:
             warn.append(f"{where}: other processes used {h['others_cores']:.2f} cores during "
