@@ -317,10 +317,10 @@ def block_plan(fns, warmup: int, barrier, slowest) -> list[tuple[int, int]]:
     estimate is the shortest of its timed calls, then the slowest rank's (``slowest``
     reduces an array in place with MAX over ranks), which gives ``discards_for`` and
     ``calls_for``. Why the shortest over two passes in opposite orders: a function
-    estimated right after a slow library's calls can pay for them (mpi send/recv read
-    200-400 µs a call for a whole sweep after Gloo's, against 8 µs, when ``--backends``
-    put gloo first), and an estimate too long gives it blocks of a few calls that its
-    discarded ones no longer shield from what the previous block leaves behind."""
+    estimated right after a slow library's calls can pay for them (the first calls
+    after a Gloo call take 5-10x the steady time, bench/column_bias.py), and an
+    estimate too long gives it blocks of a few calls that its discarded ones no longer
+    shield from what the previous block leaves behind."""
     est = np.full(len(fns), np.inf)
     clock = time.perf_counter
     for order in (range(len(fns)), range(len(fns) - 1, -1, -1)):
