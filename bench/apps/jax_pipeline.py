@@ -124,13 +124,17 @@ class Stage:
         return value  # the loss on the last stage, 0 elsewhere
 
     # --- 1F1B -------------------------------------------------------------------------------
-    def _step_1f1b(self, xs, ys):
-        s, S, M, be = self.rank, self.size, self.micro, self.backend
+    def _1f1b_setup(self):
+        """(stage, stages, micro-batches, backend, previous and next stage, templates of
+        an output activation and of an input) for either 1F1B step."""
+        s, S, M = self.rank, self.size, self.micro
         if M < S:
             raise SystemExit(f"1f1b needs at least as many micro-batches ({M}) as stages ({S})")
-        prev, nxt = s - 1, s + 1
         act_like = jnp.zeros((self.mb, self.dims[self.mine[-1] + 1]), jnp.float32)
-        in_like = self.carrier[0]
+        return s, S, M, self.backend, s - 1, s + 1, act_like, self.carrier[0]
+
+    def _step_1f1b(self, xs, ys):
+        s, S, M, be, prev, nxt, act_like, in_like = self._1f1b_setup()
         inputs, outputs = [], []  # saved inputs (for the backward) and pending outputs
         done = [0]  # forwards so far (the micro-batch index of the next one)
         grads = jax.tree_util.tree_map(jnp.zeros_like, self.params)
@@ -189,12 +193,7 @@ class Stage:
     def _step_1f1b_nonblocking(self, xs, ys):
         """1F1B with non-blocking sends and receives posted ahead (see the module
         docstring): the same micro-batch order as ``_step_1f1b``, so the same result."""
-        s, S, M, be = self.rank, self.size, self.micro, self.backend
-        if M < S:
-            raise SystemExit(f"1f1b needs at least as many micro-batches ({M}) as stages ({S})")
-        prev, nxt = s - 1, s + 1
-        act_like = jnp.zeros((self.mb, self.dims[self.mine[-1] + 1]), jnp.float32)
-        in_like = self.carrier[0]
+        s, S, M, be, prev, nxt, act_like, in_like = self._1f1b_setup()
         sends = []
 
         def send(x, peer):
