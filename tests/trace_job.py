@@ -39,8 +39,10 @@ world = MPI.COMM_WORLD
 
 def fault(kind: str, g) -> None:
     x = np.full(1024 if kind == "codecs" else 4, rank + 1.0, np.float32)
-    core.all_reduce(x, group=g)  # two calls that complete
-    core.all_reduce(x, group=g, backend=OTHER)
+    g.timeout = 30.0  # two calls that complete (the second makes the group's
+    core.all_reduce(x, group=g)  # communicator of the other backend: on a loaded
+    core.all_reduce(x, group=g, backend=OTHER)  # machine more than MCRDL_TIMEOUT)
+    g.timeout = None
     if kind == "missing":
         if rank == 1:
             core.barrier(group=side)
@@ -85,7 +87,9 @@ for kind in KINDS:
     except core.McrdlError as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     print(f"PHASE {kind} rank {rank}: {outcome}", flush=True)
-    if kind != "killed":
+    if kind == "killed":  # a survivor that ends first ends the job (the launcher then
+        time.sleep(2 * T)  # kills the ranks left): the other gets the time to dump
+    else:
         req = world.Ibarrier()  # the slow rank's phase ends later than the others'
         deadline = time.monotonic() + 4 * T + 10
         while not req.Test() and time.monotonic() < deadline:
