@@ -30,6 +30,8 @@ from ..base import dtypes as _dt
 from ..base import tags as _tags
 from ..memory.buffer import Buffer
 from ..base.ops import Op
+from ..base.errors import McrdlError
+from ..engine import faults as _faults
 from ..engine.work import Work
 from .codecs import bf16_bits
 from .codecs import bf16_values
@@ -54,12 +56,22 @@ class ScheduleWork(Work):
         self._ordered = False
         self._desc0 = desc  # desc grows "waiting on ..." for timeout diagnostics
         self._issuing = True
-        done = self._advance()
-        while not done and self._ordered:
-            if wait is None:
-                raise RuntimeError(f"{desc}: an Ordered wait needs the engine's wait")
-            wait(self._waiting)
+        try:
             done = self._advance()
+            while not done and self._ordered:
+                if wait is None:
+                    raise RuntimeError(f"{desc}: an Ordered wait needs the engine's wait")
+                wait(self._waiting)
+                done = self._advance()
+        except McrdlError:
+            raise
+        except Exception as exc:  # the library failed a stage while the call was issued
+            # (a stage's receive of more than its buffer holds, where the ranks chose
+            # different codecs): what a wait on this work would raise, CommFailedError
+            # naming op, group and backend, and the group broken, not the library's own
+            self._issuing = False
+            self.complete(exc)
+            raise _faults.work_failed(self) from exc
         self._issuing = False
         if done:
             self.complete()
