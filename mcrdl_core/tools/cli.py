@@ -714,6 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "itself (mcrdl fuzz --help)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_fuzz)
+    # (listed for --help: main() hands both to tools/trace.py, which has its own options)
+    sub.add_parser("trace", add_help=False,
+                   help="read every rank's flight-recorder dump in DIR and say what went "
+                        "wrong first (mcrdl trace --help; docs/reliability.md)")
+    sub.add_parser("explain", add_help=False,
+                   help="which backend, algorithm and codec a call would get here, and the "
+                        "rule that chose them (mcrdl explain --help)")
     add_cluster_parser(sub)
     return ap
 
