@@ -43,7 +43,10 @@ def test_a_row_compares_with_the_best_single_library(results):
     assert cells[4] == "1.50x" and cells[5] == "0.95"
     assert cells[6] == "max 1e-07 vs gloo" and cells[7] == "all_to_all: mpi+int8:256@a2a"
     short = results._row(results.CLAIMS[0], {"rows": _rows(132.0)})
-    assert "1.10x **short of 1.25x**" in short
+    assert "1.10x **short of 1.25x**" in short and "noise" not in short
+    # 118 / 120 = 0.98x: two equal runs (A/A 0.95) differed more than that
+    assert "0.98x **short of 1.25x** (within the A/A's noise)" in results._row(
+        results.CLAIMS[0], {"rows": _rows(118.0)})
 
 
 def test_the_page_says_what_is_not_measured(results):
