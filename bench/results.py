@@ -99,14 +99,14 @@ def _machine() -> str:
     return f"{platform.node()}: {os.cpu_count()} cores {model}".strip()
 
 
-def measure(layouts: list, quick: bool) -> None:
+def measure(layouts: list, quick: bool, only: list | None = None) -> None:
     """Run the apps table on each layout, every app of CLAIMS that can run here, one app
     after another; one JSON per layout in RESULTS, rewritten after each app, so a run cut
     short keeps what it measured. An app whose run fails is tried once more, then its row
     says it failed (with the launcher's last line) and the next app runs."""
     import table  # (the apps table, in this process)
 
-    apps = [c[2] for c in CLAIMS if c[2] and _available(c[4])]
+    apps = [c[2] for c in CLAIMS if c[2] and _available(c[4]) and (not only or c[2] in only)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name, rate, hosts, ranks in layouts:
         tuning = RESULTS / f"tuning-{name}.json"
@@ -119,6 +119,12 @@ def measure(layouts: list, quick: bool) -> None:
         tune = ["--tune"] if not (quick and tuning.exists()) else []
         load0, t0 = os.getloadavg()[0], time.time()
         rows, failed, retried = [], {}, {}
+        path, kept = RESULTS / f"{name}.json", {}
+        if only and path.exists():  # --apps: the other apps' rows stay as they were
+            kept = json.loads(path.read_text())
+            rows = [r for r in kept["rows"] if r["app"] not in apps]
+            failed = {k: v for k, v in kept.get("failed", {}).items() if k not in apps}
+            retried = {k: v for k, v in kept.get("retried", {}).items() if k not in apps}
         for i, app in enumerate(apps):
             a = table.parse(argv + (tune if i == 0 else []) + ["--apps", app])
             for attempt in (1, 2):
@@ -132,13 +138,16 @@ def measure(layouts: list, quick: bool) -> None:
                     failed[app] = f"attempt {attempt}: {lines[-1][-200:] if lines else exc}"
                     print(f"results: {app} failed ({failed[app]})", flush=True)
                     a.tune = False
-            (RESULTS / f"{name}.json").write_text(json.dumps({
-                "layout": name, "quick": quick, "machine": _machine(),
-                "load": [load0, os.getloadavg()[0]], "seconds": time.time() - t0,
-                "command": "sudo .venv/bin/python bench/apps/table.py " + " ".join(
-                    argv + ["--tune", "--apps", *apps]),
-                "when": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="minutes"),
+            run = {"apps": apps, "load": [load0, os.getloadavg()[0]],
+                   "seconds": time.time() - t0,
+                   "command": "sudo .venv/bin/python bench/apps/table.py " + " ".join(
+                       argv + ["--tune", "--apps", *apps]),
+                   "when": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                       timespec="minutes")}
+            path.write_text(json.dumps({
+                "layout": name, "quick": quick, "machine": _machine(), **run,
+                "earlier": kept.get("earlier", []) + ([{k: kept[k] for k in run if k in kept}]
+                                                      if kept else []),
                 "rows": rows, "failed": failed, "retried": retried}, indent=1))
 
 
@@ -258,11 +267,13 @@ def render(layouts: list = None) -> str:
             kind = ("**--quick figures**: one run per variant (no median), 6 timed steps, "
                     "the tune at 4 sizes; " if result.get("quick") else
                     "medians of rotated repeats; ")
-            out += ["", f"{kind}`{result['command']}` (as run by `{FULL}"
-                        f"{' --quick' if result.get('quick') else ''}`, {result['when']}); "
-                        f"{result['machine']}; load average {result['load'][0]:.1f} at the "
-                        f"start, {result['load'][1]:.1f} at the end (other work shared the "
-                        "2 cores: figures show direction, not precision)."]
+            runs = result.get("earlier", []) + [result]
+            out += ["", kind + "; ".join(
+                f"`{r['command']}` (as run by `{FULL}{' --quick' if result.get('quick') else ''}"
+                f"{' --apps ' + ' '.join(r['apps']) if len(runs) > 1 else ''}`, {r['when']}, "
+                f"load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end)"
+                for r in runs) + f"; {result['machine']} (other work shared the 2 cores: "
+                "figures show direction, not precision)."]
             for app, why in result.get("retried", {}).items():
                 out.append(f"{app} ran on its second attempt (the first: {why}).")
             if ranks // hosts == 1:
@@ -314,9 +325,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one layout, 6 steps, 1 repeat")
     p.add_argument("--render", action="store_true", help="only write the page from the JSON")
     p.add_argument("--page", type=Path, default=PAGE)
+    p.add_argument("--apps", nargs="+", default=None, metavar="APP",
+                   help="measure only these apps of CLAIMS again; the layout's other rows "
+                        "are kept")
     a = p.parse_args(argv)
     if not a.render:
-        measure(QUICK if a.quick else LAYOUTS, a.quick)
+        measure(QUICK if a.quick else LAYOUTS, a.quick, a.apps)
     a.page.write_text(render())
     print(f"wrote {a.page}")
     return 0
