@@ -27,7 +27,6 @@ they take the same lowering as CPU arrays).
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 import mcrdl_core as _core
 from mcrdl_core import ReduceOp  # noqa: F401  (public name)
@@ -39,7 +38,7 @@ from . import gpu as _gpu
 from . import nonblocking as _nb
 from .nonblocking import Handle, in_flight, wait, wait_all  # noqa: F401  (public names)
 from .compat import check_internals, trace_state_clean
-from .shapes import leading_blocks
+from .shapes import check_array as _check, leading_blocks
 
 check_internals()  # the JAX internals of the jit path: a clear error now, not mid-trace
 _trace_state_clean = trace_state_clean()
@@ -58,13 +57,6 @@ def traced(*xs) -> bool:
     made inside it with NumPy, is concrete, but its communication belongs in the
     program (run once per execution), not run once while tracing and baked in."""
     return not _trace_state_clean() or any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
-def _check(x, what: str = "x"):
-    if not isinstance(x, (jax.Array, np.ndarray)):
-        raise InvalidArgumentError(f"mcrdl_jax: {what} must be a JAX (or NumPy) array, got "
-                                   f"{type(x).__name__}")
-    return x
 
 
 _ARRAY = type(jax.numpy.zeros(()))  # the concrete array class (jaxlib's ArrayImpl)

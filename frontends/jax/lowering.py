@@ -54,7 +54,7 @@ def _probe(x) -> Buffer:
     return buf
 
 
-def _lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, check=True,
+def lower(op: Op, x, group, backend, reduce_op=None, nbytes=-1, root=None, check=True,
            counts=None, host_side=False):
     """(group, backend name, reduce op) for a traced call: the same checks and selection
     as an eager call, and in debug mode the cross-rank signature check (collectives),
@@ -158,7 +158,7 @@ def _compressed(op: Op, x, compression, reduce_op=None) -> bool:
 
 
 def all_reduce(x, op, group, backend, compression=None):
-    g, be, op = _lower(Op.ALL_REDUCE, x, group, backend, op,
+    g, be, op = lower(Op.ALL_REDUCE, x, group, backend, op,
                        host_side=compression is not None or _fast.compression_env())
     if not _via_mpi4jax(be) or _compressed(Op.ALL_REDUCE, x, compression, op):
         return _callback(lambda a: (host.all_reduce(a, op, g, be, compression),),
@@ -168,7 +168,7 @@ def all_reduce(x, op, group, backend, compression=None):
 
 
 def reduce(x, dst, op, group, backend):
-    g, be, op = _lower(Op.REDUCE, x, group, backend, op, root=(dst, "dst"))
+    g, be, op = lower(Op.REDUCE, x, group, backend, op, root=(dst, "dst"))
     root = g.group_rank(dst, "dst")
     if not _via_mpi4jax(be):
         def run(a):
@@ -181,7 +181,7 @@ def reduce(x, dst, op, group, backend):
 
 
 def broadcast(x, src, group, backend):
-    g, be, _ = _lower(Op.BROADCAST, x, group, backend, root=(src, "src"))
+    g, be, _ = lower(Op.BROADCAST, x, group, backend, root=(src, "src"))
     if not _via_mpi4jax(be):
         return _callback(lambda a: (host.broadcast(a, src, g, be),), [_spec(x.shape, x.dtype)],
                          x, what="broadcast")
@@ -191,7 +191,7 @@ def broadcast(x, src, group, backend):
 
 def all_gather(x, group, backend, compression=None):
     """Stacked, shape (n, *x.shape); the public function tiles."""
-    g, be, _ = _lower(Op.ALL_GATHER, x, group, backend,
+    g, be, _ = lower(Op.ALL_GATHER, x, group, backend,
                       host_side=compression is not None or _fast.compression_env())
     if not _via_mpi4jax(be) or _compressed(Op.ALL_GATHER, x, compression):
         return _callback(lambda a: (host.all_gather(a, g, be, compression),),
@@ -207,7 +207,7 @@ def reduce_scatter(x, op, group, backend, compression=None):
     deliver the whole reduction (n times the result) to every rank."""
     k = leading_blocks(x, _core.get_runtime().group(group).size, "reduce_scatter")
     block = k * int(np.prod(x.shape[1:], dtype=np.int64))
-    g, be, op = _lower(Op.REDUCE_SCATTER, x, group, backend, op,
+    g, be, op = lower(Op.REDUCE_SCATTER, x, group, backend, op,
                        nbytes=block * x.dtype.itemsize, host_side=True)
     if compression is not None or _fast.compression_env():
         _compressed(Op.REDUCE_SCATTER, x, compression, op)  # its refusals, at trace time
@@ -229,7 +229,7 @@ def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=Non
     else:
         k = leading_blocks(x, n, "all_to_all")
         rows = x.shape[0]
-    g, be, _ = _lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
+    g, be, _ = lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
                       counts=counts, host_side=compression is not None or _fast.compression_env())
     if uneven or not _via_mpi4jax(be) or _compressed(Op.ALL_TO_ALL, x, compression):
         # uneven splits are host-side work on every backend (mpi4jax has no alltoallv),
@@ -243,7 +243,7 @@ def all_to_all(x, group, backend, input_split_sizes=None, output_split_sizes=Non
 
 
 def gather(x, dst, group, backend):
-    g, be, _ = _lower(Op.GATHER, x, group, backend, root=(dst, "dst"))
+    g, be, _ = lower(Op.GATHER, x, group, backend, root=(dst, "dst"))
     root = g.group_rank(dst, "dst")
     out = (g.size, *x.shape) if g.rank == root else tuple(x.shape)
     if not _via_mpi4jax(be):
@@ -258,7 +258,7 @@ def gather(x, dst, group, backend):
 
 def scatter(x, src, group, backend):
     leading_blocks(x, _core.get_runtime().group(group).size, "scatter", exact=True)
-    g, be, _ = _lower(Op.SCATTER, x[0], group, backend, root=(src, "src"))
+    g, be, _ = lower(Op.SCATTER, x[0], group, backend, root=(src, "src"))
     root = g.group_rank(src, "src")
     if not _via_mpi4jax(be):
         return _callback(lambda a: (host.scatter(a, src, g, be),),
@@ -269,7 +269,7 @@ def scatter(x, src, group, backend):
 
 
 def send(x, dst, group, tag, backend):
-    g, be, _ = _lower(Op.SEND, x, group, backend, check=False)
+    g, be, _ = lower(Op.SEND, x, group, backend, check=False)
     if not _via_mpi4jax(be):
         _callback(lambda a: (host.send(a, dst, g, tag, be),)[:0], [], x, what="send")
     else:
@@ -279,7 +279,7 @@ def send(x, dst, group, tag, backend):
 
 
 def recv(like, src, group, tag, backend):
-    g, be, _ = _lower(Op.RECV, like, group, backend, check=False, host_side=src is None)
+    g, be, _ = lower(Op.RECV, like, group, backend, check=False, host_side=src is None)
     if src is None or not _via_mpi4jax(be):  # any-source: host side on every backend
         return _callback(lambda: (host.recv(like.shape, like.dtype, src, g, tag, be),),
                          [_spec(like.shape, like.dtype)], what="recv")
@@ -291,8 +291,8 @@ def sendrecv(sendbuf, like, source, dest, group, tag, backend):
     """Each direction selects its own backend from its own size, as the eager call does
     (the peer sees a send or a recv of that size and picks the same). Both on MPI:
     mpi4jax's sendrecv; otherwise one callback posting both before waiting on either."""
-    g, be, _ = _lower(Op.SEND, sendbuf, group, backend, check=False)
-    _, be_recv, _ = _lower(Op.RECV, like, group, backend, check=False)
+    g, be, _ = lower(Op.SEND, sendbuf, group, backend, check=False)
+    _, be_recv, _ = lower(Op.RECV, like, group, backend, check=False)
     if not (_via_mpi4jax(be) and _via_mpi4jax(be_recv)):
         return _callback(lambda a: (host.sendrecv(a, like.shape, like.dtype, source, dest, g,
                                                   tag, be, be_recv),),

@@ -268,6 +268,21 @@ def start_eager(name: str, arrays, statics) -> Handle:
     return Handle(_register(entry), (), _Site(name, None, None))
 
 
+def register(works, outs, keep, what: str) -> int:
+    """The handle id of a call that another part of mcrdl_jax started itself (``reshard``):
+    ``works`` in flight, ``outs`` a function returning its result arrays once they are done,
+    ``keep`` what must stay alive until then, ``what`` its name in messages. ``wait``
+    takes it back like the id of any other call."""
+    return _register(_Entry(works, outs, keep, what))
+
+
+def handle(ident, what: str, outs=None) -> Handle:
+    """The Handle of a call registered by :func:`register`: ``ident`` its id (under jit,
+    the int32 that the start callback returned), ``outs`` ShapeDtypeStructs of its results
+    under a trace (None eager). Such a handle has no derivative rule."""
+    return Handle(ident, (), _Site(what, outs, None))
+
+
 def start_traced(name: str, arrays, statics, outs, grad=None) -> Handle:
     """A split-phase call under a trace: the start callback now, the wait later.
     ``outs``: ShapeDtypeStructs of the result; ``grad``: the blocking call's statics for
@@ -384,10 +399,11 @@ def _attach(name: str, statics):
 def call(name: str, arrays, statics) -> Handle:
     """``mcrdl_jax.<name>(..., async_op=True)``: the blocking call's ``statics`` (the
     order ``autodiff.py`` uses). Eager on concrete arrays, split-phase under a trace."""
-    from . import _check, traced
+    from . import traced
+    from .shapes import check_array
 
     for i, a in enumerate(arrays):
-        _check(a, "x" if i == 0 else "like")
+        check_array(a, "x" if i == 0 else "like")
     if traced(*arrays):
         return _traced_call(name, tuple(arrays), tuple(statics))
     if eager.ready(*arrays):
@@ -405,7 +421,7 @@ def _spec(shape, dtype):
 
 def _traced_call(name, arrays, st) -> Handle:
     """The trace-time part of a split-phase call: the blocking call's checks and backend
-    selection (``lowering._lower``, debug signature included), then the start."""
+    selection (``lowering.lower``, debug signature included), then the start."""
     from . import lowering as L
     from .shapes import leading_blocks
 
@@ -413,25 +429,25 @@ def _traced_call(name, arrays, st) -> Handle:
     spec = _spec(x.shape, x.dtype)
     if name == "all_reduce":
         op, group, backend, comp = st
-        g, be, op = L._lower(Op.ALL_REDUCE, x, group, backend, op)
+        g, be, op = L.lower(Op.ALL_REDUCE, x, group, backend, op)
         run = (op, g, be, comp)
     elif name == "reduce":
         dst, op, group, backend = st
-        g, be, op = L._lower(Op.REDUCE, x, group, backend, op, root=(dst, "dst"))
+        g, be, op = L.lower(Op.REDUCE, x, group, backend, op, root=(dst, "dst"))
         run = (dst, op, g, be)
     elif name == "broadcast":
         src, group, backend = st
-        g, be, _ = L._lower(Op.BROADCAST, x, group, backend, root=(src, "src"))
+        g, be, _ = L.lower(Op.BROADCAST, x, group, backend, root=(src, "src"))
         run = (src, g, be)
     elif name == "all_gather":
         group, backend, comp = st
-        g, be, _ = L._lower(Op.ALL_GATHER, x, group, backend)
+        g, be, _ = L.lower(Op.ALL_GATHER, x, group, backend)
         spec, run = _spec((g.size, *x.shape), x.dtype), (g, be, comp)
     elif name == "reduce_scatter":
         op, group, backend, comp = st
         k = leading_blocks(x, _core.get_runtime().group(group).size, "reduce_scatter")
         block = k * int(np.prod(x.shape[1:], dtype=np.int64))
-        g, be, op = L._lower(Op.REDUCE_SCATTER, x, group, backend, op,
+        g, be, op = L.lower(Op.REDUCE_SCATTER, x, group, backend, op,
                              nbytes=block * x.dtype.itemsize)
         spec, run = _spec((k, *x.shape[1:]), x.dtype), (op, g, be, comp)
     elif name == "all_to_all":
@@ -441,32 +457,32 @@ def _traced_call(name, arrays, st) -> Handle:
         if not uneven:
             leading_blocks(x, n, "all_to_all")
         rows = sum(outs) if outs else x.shape[0]
-        g, be, _ = L._lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
+        g, be, _ = L.lower(Op.ALL_TO_ALL, x, group, backend, nbytes=None if uneven else -1,
                             counts=(tuple(outs or ()), tuple(ins or ())) if uneven else None)
         spec, run = _spec((rows, *x.shape[1:]), x.dtype), (g, be, ins, outs, comp)
     elif name == "gather":
         dst, group, backend = st
-        g, be, _ = L._lower(Op.GATHER, x, group, backend, root=(dst, "dst"))
+        g, be, _ = L.lower(Op.GATHER, x, group, backend, root=(dst, "dst"))
         if g.rank == g.group_rank(dst, "dst"):
             spec = _spec((g.size, *x.shape), x.dtype)
         run = (dst, g, be)
     elif name == "scatter":
         src, group, backend = st
         leading_blocks(x, _core.get_runtime().group(group).size, "scatter", exact=True)
-        g, be, _ = L._lower(Op.SCATTER, x[0], group, backend, root=(src, "src"))
+        g, be, _ = L.lower(Op.SCATTER, x[0], group, backend, root=(src, "src"))
         spec, run = _spec(x.shape[1:], x.dtype), (src, g, be)
     elif name == "send":
         dst, group, tag, backend = st
-        g, be, _ = L._lower(Op.SEND, x, group, backend, check=False)
+        g, be, _ = L.lower(Op.SEND, x, group, backend, check=False)
         spec, run = _spec((), np.float32), (dst, g, tag, be)
     elif name == "recv":
         src, group, tag, backend = st
-        g, be, _ = L._lower(Op.RECV, x, group, backend, check=False)
+        g, be, _ = L.lower(Op.RECV, x, group, backend, check=False)
         run = (src, g, tag, be)
     elif name == "sendrecv":
         source, dest, group, tag, backend = st
-        g, be, _ = L._lower(Op.SEND, x, group, backend, check=False)
-        _, be_recv, _ = L._lower(Op.RECV, arrays[1], group, backend, check=False)
+        g, be, _ = L.lower(Op.SEND, x, group, backend, check=False)
+        _, be_recv, _ = L.lower(Op.RECV, arrays[1], group, backend, check=False)
         spec, run = _spec(arrays[1].shape, arrays[1].dtype), (source, dest, g, tag, be, be_recv)
     else:  # pragma: no cover
         raise UnsupportedError(f"mcrdl_jax: no non-blocking {name}")

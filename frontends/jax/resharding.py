@@ -134,8 +134,7 @@ def _reshard_async(x, is_traced, shape, np_dt, src_l, dst_l, out_shape, call):
     if not is_traced:
         eager.ready(*([] if x is None else [x]))
         work, res = start(None if x is None else host.view(x))
-        entry = nb._Entry([work], lambda: [res], (x, res), "reshard")
-        return nb.Handle(nb._register(entry), (), nb._Site("reshard", None, None))
+        return nb.handle(nb.register([work], lambda: [res], (x, res), "reshard"), "reshard")
     from .callback import host_call
 
     res_shape = out_shape if out_shape is not None else (0,)
@@ -143,9 +142,8 @@ def _reshard_async(x, is_traced, shape, np_dt, src_l, dst_l, out_shape, call):
     def begin(local):
         work, res = start(host.copy_of(local) if src_in else None)
         out = res if res is not None else np.zeros(res_shape, np_dt)
-        return (np.int32(nb._register(nb._Entry([work], lambda: [out], (out,), "reshard"))),)
+        return (np.int32(nb.register([work], lambda: [out], (out,), "reshard")),)
 
     (hid,) = host_call(begin, [jax.ShapeDtypeStruct((), np.int32)], jax.lax.stop_gradient(x),
                        what="start of reshard")
-    return nb.Handle(hid, (), nb._Site("reshard", [jax.ShapeDtypeStruct(res_shape, np_dt)],
-                                       None))
+    return nb.handle(hid, "reshard", [jax.ShapeDtypeStruct(res_shape, np_dt)])

@@ -1,5 +1,8 @@
-"""Shape checks shared by the eager and the traced paths of mcrdl_jax."""
+"""Argument and shape checks shared by the eager, traced and non-blocking paths of mcrdl_jax."""
 from __future__ import annotations
+
+import jax
+import numpy as np
 
 from mcrdl_core.base.errors import InvalidArgumentError
 
@@ -13,3 +16,12 @@ def leading_blocks(x, n: int, name: str, exact: bool = False) -> int:
         raise InvalidArgumentError(f"mcrdl_jax.{name}: the leading axis of shape "
                                    f"{tuple(x.shape)} must be {want}")
     return x.shape[0] // n
+
+
+def check_array(x, what: str = "x"):
+    """``x`` itself when it is a JAX (or NumPy) array; an InvalidArgumentError naming the
+    argument (``what``) otherwise, raised before the call chooses a path or sends anything."""
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise InvalidArgumentError(f"mcrdl_jax: {what} must be a JAX (or NumPy) array, got "
+                                   f"{type(x).__name__}")
+    return x
