@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from time import perf_counter as _now
 
+from ..base.errors import MismatchError
 from ..base.ops import Op, ReduceOp
 from ..observe import recorder as _rec
 from . import fastpath as _fast
@@ -155,8 +156,17 @@ def run(c: Call):
             e = _record(c, g, be, sig, str(cz), "compressed",
                         f"{rule}; codec by "
                         f"{'compression=' if c.compression is not None else 'MCRDL_COMPRESSION'}")
-            return _finished(e, c.async_op, c.compressed, _hooks.transform("compression"), rt,
-                             g, red, sig, cz)
+            try:
+                return _finished(e, c.async_op, c.compressed, _hooks.transform("compression"),
+                                 rt, g, red, sig, cz)
+            except MismatchError:
+                # refused by the debug check (compress/entry.py) on every rank before
+                # anything was sent: no entry, as on the uncompressed path below, whose
+                # check comes before its entry. Kept, a rank whose peers ran the call
+                # uncompressed would number the group's later calls one higher than
+                # theirs, and `mcrdl trace` would compare different calls.
+                _rec.undo(e)
+                raise
     if rt.observed and c.op not in _POINT_TO_POINT:
         if red is not None:
             sig = dict(sig, reduce_op=red)

@@ -85,6 +85,29 @@ def test_group_default_and_sub_group(ring):
     _same_everywhere(es)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_call_the_debug_check_refuses_is_numbered_alike(ring, backend, monkeypatch):
+    """MCRDL_DEBUG=1 refuses a call compressed on rank 0 only (a MismatchError on every
+    rank, before anything is sent): no rank keeps an entry of it, so the group's next
+    call has one number everywhere (the compressed path once kept its entry, the plain
+    one none, and ``mcrdl trace`` then compared different calls)."""
+    from mcrdl_core.base.errors import MismatchError
+
+    g = core.new_group(backend=backend)
+    monkeypatch.setattr(core.get_runtime(), "debug", True)
+    out = np.empty(SIZE * 8, np.float32)
+    with pytest.raises(MismatchError, match="compression"):
+        core.all_to_all_single(out, np.ones(SIZE * 8, np.float32), group=g,
+                               compression="fp16" if RANK == 0 else None)
+    x = np.full(4, RANK + 1.0, np.float32)
+    core.all_reduce(x, group=g)
+    np.testing.assert_array_equal(x, np.full(4, SIZE * (SIZE + 1) / 2))
+    es = [e for e in ring() if e["group"] == g.key]
+    assert [(e["seq"], e["op"]) for e in es] == [(1, "all_reduce")], es
+    _same_everywhere(es)
+
+
 @pytest.mark.skipif(SIZE < 2, reason="point to point needs 2 ranks")
 def test_point_to_point_entries(ring):
     right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
