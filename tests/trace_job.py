@@ -13,17 +13,57 @@ all-reduces 8 elements, the others 4), backends (rank 2 on the other backend), c
 (rank 2 kills itself before the all-reduce; must be last). A rank whose call returned
 (MPI completes some mismatches with wrong data) dumps by ``dump_trace()``. Each rank prints ``PHASE
 KIND rank R: OUTCOME``.
+
+The killed rank is a child process (``_stand_in``): hydra ends every rank still running
+once one of its processes dies, even under ``-disable-auto-cleanup`` (fresh-clone runs
+lost a survivor's dump so, or left it half-written as ``rank-1.json.PID.tmp``), so
+hydra's own process of rank 2 outlives the killed child until every survivor has written
+its dump, then dies by the same signal. The survivors see exactly a dead peer (its
+sockets closed, its calls never made), and each ends only once every survivor's dump is
+there.
 """
 import os
 import signal
 import sys
 import time
 
-import numpy as np
-from mpi4py import MPI
+DEADLINE_S = 90.0  # for the survivors' dumps of the killed phase (each takes seconds)
 
-import mcrdl_core as core
-from mcrdl_core.observe import recorder
+
+def _dumps(base: str, size: int, dead: int = 2) -> list:
+    return [os.path.join(base, "killed", f"rank-{r}.json") for r in range(size) if r != dead]
+
+
+def _wait_for(paths, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _stand_in() -> None:
+    """Rank 2 of a job with the killed phase: fork before MPI starts; the child returns and
+    is rank 2 (MPI, the runtime, the phases); this process, the one hydra launched, waits
+    for it and, when it was killed, for the survivors' dumps, then ends as it did."""
+    if "killed" not in sys.argv[2:] or os.environ.get("PMI_RANK") != "2":
+        return
+    child = os.fork()
+    if child == 0:
+        return
+    status = os.waitpid(child, 0)[1]
+    if os.WIFSIGNALED(status):
+        if os.WTERMSIG(status) == signal.SIGKILL:
+            _wait_for(_dumps(os.environ["TRACE_BASE"], int(os.environ["PMI_SIZE"])), DEADLINE_S)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+_stand_in()
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mcrdl_core as core  # noqa: E402
+from mcrdl_core.observe import recorder  # noqa: E402
 
 BACKEND, KINDS = sys.argv[1], sys.argv[2:]
 OTHER = "gloo" if BACKEND == "mpi" else "mpi"
@@ -88,7 +128,7 @@ for kind in KINDS:
         outcome = f"{type(exc).__name__}: {exc}"
     print(f"PHASE {kind} rank {rank}: {outcome}", flush=True)
     if kind == "killed":  # a survivor that ends first ends the job (the launcher then
-        time.sleep(2 * T)  # kills the ranks left): the other gets the time to dump
+        _wait_for(_dumps(BASE, world.Get_size()), DEADLINE_S)  # kills the ranks left)
     else:
         req = world.Ibarrier()  # the slow rank's phase ends later than the others'
         deadline = time.monotonic() + 4 * T + 10
