@@ -52,7 +52,7 @@ import time
 from ..base import config as _config
 from ..base.errors import CommTimeoutError
 from ..engine import faults as _faults
-from . import analyze
+from . import analyze, torch_fr
 
 SCHEMA = "mcrdl.trace/1"
 
@@ -302,6 +302,7 @@ def dump(reason: str = "requested", path: str | None = None) -> str | None:
             json.dump(data, f, separators=(",", ":"))
         os.replace(tmp, path)
         _state["dumped"] = path
+        torch_fr.write(data, path)  # (the same calls for torch's own analyzer)
         return path
     except Exception as exc:  # a full disk, a read-only directory: say so, go on
         print(f"mcrdl: rank {getattr(rt, 'rank', '?')}: could not write the flight "
