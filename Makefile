@@ -50,7 +50,16 @@ $(KERNELS): $(STAMP) mcrdl_core/compress/codec_kernels.c mcrdl_core/tools/build_
 	$(PY) -m mcrdl_core.tools.build_codecs || echo "note: codec kernels not built; the int8/fp8/fp16 codecs run their NumPy path" >&2
 	touch $(KERNELS)
 
-install: $(STAMP) $(FAST) $(FACTS) $(KERNELS)
+# the flight recorder's ring in C (mcrdl_core/observe/ring.c), against this Python's
+# headers; optional: without a C compiler the recorder keeps its entries in Python
+# columns (the same entries, a few tenths of a µs more per call), rebuilt when its
+# source changes
+RING := $(VENV)/.mcrdl-ring
+$(RING): $(STAMP) mcrdl_core/observe/ring.c mcrdl_core/tools/build_ring.py
+	$(PY) -m mcrdl_core.tools.build_ring || echo "note: the recorder's C ring not built; the flight recorder keeps its entries in Python" >&2
+	touch $(RING)
+
+install: $(STAMP) $(FAST) $(FACTS) $(KERNELS) $(RING)
 
 # tune on 2 local ranks (short size range), then bench auto against each backend
 demo: install

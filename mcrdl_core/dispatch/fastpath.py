@@ -84,9 +84,8 @@ MISS = object()
 # number on the group, the time, the element count the general path records too) and
 # sets its end when a blocking call returns; an async one keeps its Work.
 _REC = _rec.ON
-_note = _rec.call
-_undo = _rec.undo
-_append, _STACK, _frame = _rec.append, _rec.STACK, _rec.frame
+_note, _end, _outcome, _undo = _rec.call, _rec.end, _rec.outcome, _rec.undo
+_recorded, _end_of = _rec.recorded, _rec.end_of
 
 
 class _Plan(tuple):
@@ -207,10 +206,8 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
     if logging_on:
         t0 = time.perf_counter()
     desc = plan.desc if plan.__class__ is _Plan else None
-    if desc is not None:  # (recorder.call, inlined)
-        g.trace_seq = seq = g.trace_seq + 1
-        e = [desc, seq, _now(), count, None, None, None, _frame() if _STACK else None]
-        _append(e)
+    if desc is not None:
+        e = _note(desc, count)
     if async_op:  # (nothing in flight: no memory to check)
         nbytes = count * dtype.itemsize
         ptr = _address(mem)
@@ -221,7 +218,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
                 _undo(e)
             return MISS
         if desc is not None:
-            e[5] = work
+            _outcome(e, work)
         if logging_on:  # (if it completed meanwhile, add_finalizer records at once)
             work.add_finalizer(lambda: rt.logger.record("all_reduce", nbytes, be.name,
                                                         g.size, time.perf_counter() - t0))
@@ -241,7 +238,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
         be.work_of(Op.ALL_REDUCE, g, req, _address(mem), count * dtype.itemsize,
                    owner).wait()
     if desc is not None:
-        e[6] = _now()
+        _end(e)
     if logging_on:  # CommLogger.record's tuple, appended without the method call
         rt.logger.records.append(("all_reduce", count * dtype.itemsize, be.name, g.size,
                                   time.perf_counter() - t0))
@@ -353,9 +350,9 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     if done is MISS:
         _undo(e)
     elif async_op:
-        e[5] = done
+        _outcome(e, done)
     else:
-        e[6] = _now()
+        _end(e)
     return done
 
 
@@ -764,11 +761,11 @@ def _listed(rt, plan, op, g, prep, fixed, x, y, z, owners, async_op, backend, bi
         e = None if desc is None else _note(desc, *_FACTS[op](args, g))
         if async_op:
             if e is not None:
-                e[5] = work
+                _outcome(e, work)
             return work
         work.wait()
         if e is not None:
-            e[6] = _now()
+            _end(e)
         return None
     args, ((rlo, rhi, _), (wlo, whi, _)), nbytes = prep(fixed, x, y, z)
     return _run(rt, plan, op, g, args, owners, async_op, nbytes, rlo, rhi, wlo, whi)
@@ -920,7 +917,7 @@ def _batch_launch(g, eng, todo, spans):
         work = plan[0].fast_launch(op, g, plan[1], (ptr, count, p, tag), (span,), (owner,), eng)
         works.append(work)
         if desc is not None:
-            _note(desc, count, (p, tag))[5] = work
+            _note(desc, count, (p, tag), work)
     return works
 
 
@@ -1104,6 +1101,9 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
     alone = not async_op or op is Op.ALL_REDUCE
     name, bname, size = op.value, be.name, g.size  # (a logger record's fields)
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
+    if desc is not None and blocking is not None:  # (spin, ptr, count): each call
+        # noted and ended in one C call (observe/ring.c)
+        blocking = _recorded(blocking, desc, 2, 1, ())
 
     def call(ptr, count, owner):
         logging_on = rt.logger.enabled
@@ -1117,20 +1117,16 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
             if work is None:
                 return MISS
             if desc is not None:
-                _note(desc, count)[5] = work
+                _note(desc, count, None, work)
             return work
         if logging_on:
             t0 = _now()
-        if desc is not None:  # (recorder.call, inlined: the hottest path, 60 ns less)
-            g.trace_seq = seq = g.trace_seq + 1
-            e = [desc, seq, _now(), count, None, None, None, _frame() if _STACK else None]
-            _append(e)
         left = blocking(eng.spin_s, ptr, count)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(op, g, be.fast_request(left), ((0, 0, False),
                          (ptr, ptr + count * isz, True)), (owner,)).wait()
-        if desc is not None:
-            e[6] = _now()
+            if desc is not None:
+                _end_of(desc)
         if logging_on:
             rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
         return None
@@ -1146,6 +1142,8 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
     n = g.size
     name, bname = op.value, be.name
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
+    if desc is not None and blocking is not None:  # (spin, out, in, count per rank)
+        blocking = _recorded(blocking, desc, 3, 1, ())
 
     def call(out_ptr, out_count, in_ptr, in_count, owners):
         small, big = (in_count, out_count) if gathers else (out_count, in_count)
@@ -1162,17 +1160,16 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
             if work is None:
                 return MISS
             if desc is not None:
-                _note(desc, small)[5] = work
+                _note(desc, small, None, work)
             return work
         if logging_on:
             t0 = _now()
-        e = None if desc is None else _note(desc, small)
         left = blocking(eng.spin_s, out_ptr, in_ptr, small)
         if left is not None:
             be.fast_work(op, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
-        if e is not None:
-            e[6] = _now()
+            if desc is not None:
+                _end_of(desc)
         if logging_on:  # (the entry's figure: the big block's bytes)
             rt.logger.records.append((name, big * isz, bname, n, _now() - t0))
         return None
@@ -1187,6 +1184,9 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
+    if desc is not None and blocking is not None:  # (spin, out, in, count per rank): the
+        # entry's count is the input's, n blocks
+        blocking = _recorded(blocking, desc, 3, n, ())
 
     bname = be.name
 
@@ -1205,17 +1205,16 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
             if work is None:
                 return MISS
             if desc is not None:
-                _note(desc, in_count)[5] = work
+                _note(desc, in_count, None, work)
             return work
         if logging_on:
             t0 = _now()
-        e = None if desc is None else _note(desc, in_count)
         left = blocking(eng.spin_s, out_ptr, in_ptr, in_count // n)
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
-        if e is not None:
-            e[6] = _now()
+            if desc is not None:
+                _end_of(desc)
         if logging_on:
             rt.logger.records.append(("all_to_all", in_count * isz, bname, n, _now() - t0))
         return None
@@ -1248,7 +1247,7 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
             if work is None:
                 return MISS
             if desc is not None:
-                _note(desc, in_count, (out_splits, in_splits))[5] = work
+                _note(desc, in_count, (out_splits, in_splits), work)
             return work
         if logging_on:
             t0 = _now()
@@ -1263,7 +1262,7 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
                          (out_ptr, out_end, True)), owners).wait()
         if e is not None:
-            e[6] = _now()
+            _end(e)
         if logging_on:
             rt.logger.records.append(("all_to_all", in_count * isz, bname, size, _now() - t0))
         return None
@@ -1282,6 +1281,8 @@ def _bind_barrier(rt, g, plan, async_op):
 
     bname, size = be.name, g.size
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
+    if desc is not None and blocking is not None:  # (spin): count 1
+        blocking = _recorded(blocking, desc, -1, 1, ())
 
     def call():
         logging_on = rt.logger.enabled
@@ -1293,16 +1294,15 @@ def _bind_barrier(rt, g, plan, async_op):
             if work is None:
                 return MISS
             if desc is not None:
-                _note(desc, 1)[5] = work
+                _note(desc, 1, None, work)
             return work
         if logging_on:
             t0 = _now()
-        e = None if desc is None else _note(desc, 1)
         left = blocking(eng.spin_s)
         if left is not None:  # not done within the spin: the engine's wait
             be.fast_work(Op.BARRIER, g, be.fast_request(left), _NO_MEMORY, ()).wait()
-        if e is not None:
-            e[6] = _now()
+            if desc is not None:
+                _end_of(desc)
         if logging_on:
             rt.logger.records.append(("barrier", 0, bname, size, _now() - t0))
         return None
@@ -1320,6 +1320,9 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     receives = op is Op.RECV
     name, bname, size = op.value, be.name, g.size
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
+    recorded = (blocking if desc is None or blocking is None
+                else _recorded(blocking, desc, 2, 1, (3, 4)))
+    # ((spin, ptr, count, peer, tag): the entry's extra is (peer, tag))
 
     def call(ptr, count, tag, owner):
         logging_on = rt.logger.enabled
@@ -1332,11 +1335,11 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
                           (owner,), eng)
             if work is None:
                 return MISS
-            e = None if desc is None else _note(desc, count, (peer, tag))
             if async_op:
-                if e is not None:
-                    e[5] = work
+                if desc is not None:
+                    _note(desc, count, (peer, tag), work)
                 return work
+            e = None if desc is None else _note(desc, count, (peer, tag))
             # blocking with other work in flight: registered like an async call (its
             # memory checked against what is in flight), then waited (the compiled spin
             # while every work in flight is MPI's, else the engine's wait)
@@ -1344,14 +1347,13 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
                 t0 = _now()
             work.wait()
             if e is not None:
-                e[6] = _now()
+                _end(e)
             if logging_on:
                 rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
             return work.value if receives else None
         if logging_on:
             t0 = _now()
-        e = None if desc is None else _note(desc, count, (peer, tag))
-        left = blocking(eng.spin_s, ptr, count, peer, tag)
+        left = recorded(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
             done = None if left is None else ranks[left]
         else:
@@ -1359,8 +1361,8 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
             be.fast_work(op, g, req, ((0, 0, False), (ptr, end, True)) if receives
                          else ((ptr, end, False), (0, 0, True)), (owner,)).wait()
             done = ranks[req.source()] if receives else None
-        if e is not None:
-            e[6] = _now()
+            if desc is not None:
+                _end_of(desc)
         if logging_on:
             rt.logger.records.append((name, count * isz, bname, size, _now() - t0))
         return done
@@ -1399,7 +1401,7 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
                     if work is None:
                         _undo(e)
                     else:
-                        e[5] = work
+                        _outcome(e, work)
                 return MISS if work is None else work
             work.wait()
         else:
@@ -1411,7 +1413,7 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
             if left is not None:  # not done within the spin: the engine's wait
                 be.fast_work(op, g, be.fast_request(left), spans, owners).wait()
         if e is not None:
-            e[6] = _now()
+            _end(e)
         if logging_on:
             rt.logger.records.append((name, nbytes, bname, size, _now() - t0))
         return None

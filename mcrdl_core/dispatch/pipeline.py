@@ -34,7 +34,6 @@ inside the pipeline as MCR-DL's one addition.
 from __future__ import annotations
 
 import functools
-from time import perf_counter as _now
 
 from ..base.errors import MismatchError
 from ..base.ops import Op, ReduceOp
@@ -193,19 +192,20 @@ def run(c: Call):
     try:
         work = c.issue(be, g, red, sig)
         if c.async_op:
-            e[_rec.OUTCOME] = work
+            _rec.outcome(e, work)
         done = rt.finish(work, spans, c.async_op, c.log_bytes)
     except BaseException as exc:
-        e[_rec.OUTCOME] = _rec.failure(exc)
+        _rec.outcome(e, _rec.failure(exc))
         raise
     if not c.async_op:
-        e[_rec.T_END] = _now()
+        _rec.end(e)
     return work.value if c.value and not c.async_op else done
 
 
-def _record(c: Call, g, be, sig, codec, algorithm, rule) -> list:
+def _record(c: Call, g, be, sig, codec, algorithm, rule) -> int:
     """The flight recorder's entry of a call about to be issued (``observe/recorder``):
-    its static part, its element count and signature (root, peer, split counts)."""
+    its static part, its element count and signature (root, peer, split counts); returns
+    its tick (``recorder.call``)."""
     red = c.reduce_op if c.reduce_op is None else ReduceOp.coerce(c.reduce_op)
     desc = _rec.describe(g, c.op, c.buf.dtype, be.name, algorithm, codec, rule, c.async_op,
                          red, sig.get("root"))
@@ -220,12 +220,12 @@ def _finished(e, async_op, fn, *args):
     try:
         done = fn(*args)
     except BaseException as exc:
-        e[_rec.OUTCOME] = _rec.failure(exc)
+        _rec.outcome(e, _rec.failure(exc))
         raise
     if async_op:
-        e[_rec.OUTCOME] = done
+        _rec.outcome(e, done)
     else:
-        e[_rec.T_END] = _now()
+        _rec.end(e)
     return done
 
 

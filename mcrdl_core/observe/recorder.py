@@ -2,30 +2,39 @@
 
 One bounded ring per process (``MCRDL_TRACE_ENTRIES`` calls, default 4096; ``0``
 turns it off), one entry per call of every frontend: the general path
-(``pipeline.run``), the fast path's entries and bound calls, the JAX lowering. An
-entry is a small list, filled once when the call is issued and once more when a
-blocking call returns::
+(``pipeline.run``), the fast path's entries and bound calls, the JAX lowering.
 
-    [desc, seq, t_issue, count, extra, outcome, t_end, frame]
+The ring is a set of preallocated columns, one slot per entry, filled in turn (slot
+``tick % SIZE`` for the call's ``tick``, a process-wide counter): the call's static
+part, sequence number, issue and end times, element count, extra, outcome, and which
+call a slot holds now. It is compiled (``observe/ring.c``, built by ``make install``;
+``RING`` is then ``NATIVE``), or ``PyRing``, the same columns in Python, where it is
+not built or ``MCRDL_TRACE_STACK`` asks for each call's frame. The fast path's bound
+calls record through ``recorded``: their blocking issuer wrapped so that each call is
+noted, issued and ended in one C call. Why: on a 2-core VM a dozen Python stores and
+two clock reads per call cost about 1 µs a call on the fast path (``bench/overhead.py``
+with the recorder on against off); in C the entry costs a clock read on each side of
+the issue and a few stores.
 
-``desc`` is the call's static part, one tuple per plan (the fast path builds it once per
-memo key): ``(group, op, dtype, backend, algorithm, codec, rule, async, p2p, reduce
-op, root)``, where
+``desc`` is one tuple per plan (the fast path builds it once per memo key): ``(group,
+op, dtype, backend, algorithm, codec, rule, async, p2p, reduce op, root)``, where
 ``rule`` says what chose the backend (``selection.decide_why``). ``seq`` is the
 group's sequence number of the call: collectives count on ``Group.trace_seq``, the
 same on every member (every member makes the group's collectives in one order), point
-to point on ``Group.trace_p2p`` (one side's count only). ``count`` is the element
-count per rank, ``extra`` the peer and tag, or the split counts (a dict, or the fast path's tuple). ``outcome`` is the
-async Work, or (state, text) of the exception a blocking call raised; ``t_end`` is set when a blocking
-call returns. Times are ``time.perf_counter()``; a dump converts them to wall-clock
-seconds. Nothing is computed for a dump until one is written: the state of each entry
-(issued, completed, failed, timed out) is read then from its Work, its exception or its
-group's broken mark, so a call that completes in compiled code (``mpi_fast.c``) costs
-the recorder nothing more.
-
-A deque with ``maxlen`` is the ring: one C call appends and drops the oldest, cheaper
-from Python than an index kept by hand. The cost per call is measured by
-``bench/recorder_cost.py`` (docs/reliability.md).
+to point on ``Group.trace_p2p`` (one side's count only); -1 for a lowered call.
+``count`` is the element count per rank, ``extra`` the peer and tag, or the split
+counts (a dict, or the fast path's tuple). ``outcome`` is the async Work, or (state,
+text) of the exception a blocking call raised; ``t_end`` is set when a blocking call
+returns (a slot's entry has ended when its ``t_end`` is not older than its
+``t_issue``: the clock only goes forward, so the end left by the slot's previous entry
+never counts). ``call`` returns the entry's tick; ``end``, ``outcome`` and ``undo``
+take it and write only while the slot still holds that call (another thread may have
+gone round the ring meanwhile). Times are ``time.perf_counter()``; a dump converts
+them to wall-clock seconds. Nothing is computed for a dump until one is written: the
+state of each entry (issued, completed, failed, timed out) is read then from its Work,
+its exception or its group's broken mark, so a call that completes in compiled code
+(``mpi_fast.c``) costs the recorder nothing more. The cost per call is in
+``bench/overhead.py``'s table (docs/benchmarks.md).
 
 Dumps (``dump``): one JSON file per rank, ``rank-N.json`` in ``MCRDL_TRACE_DIR``
 (default ``$TMPDIR/mcrdl-trace-JOB``, ``JOB`` being rank 0's host and process id, which
@@ -39,7 +48,8 @@ skipped a call and ended normally shows where it was). ``mcrdl trace DIR`` reads
 """
 from __future__ import annotations
 
-import collections
+import array
+import itertools
 import json
 import os
 import signal
@@ -54,19 +64,19 @@ from ..base.errors import CommTimeoutError
 from ..engine import faults as _faults
 from . import analyze, torch_fr
 
+try:  # the compiled ring: built by mcrdl_core.tools.build_ring (make install), not by pip
+    from . import ring
+except ImportError:
+    ring = None
+
 SCHEMA = "mcrdl.trace/1"
 
 #: how many calls the ring keeps (MCRDL_TRACE_ENTRIES, read once per process)
 SIZE = _config.get("MCRDL_TRACE_ENTRIES")
 ON = SIZE > 0
 STACK = ON and _config.get("MCRDL_TRACE_STACK")
-ring: collections.deque = collections.deque(maxlen=SIZE)
-#: ``append(entry)``: the ring's own method, bound once (the fast path calls it)
-append = ring.append
 _now = time.perf_counter
 
-# entry fields
-DESC, SEQ, T_ISSUE, COUNT, EXTRA, OUTCOME, T_END, FRAME = range(8)
 # desc fields
 D_GROUP, D_OP, D_DTYPE, D_BACKEND, D_ALGO, D_CODEC, D_RULE, D_ASYNC, D_P2P, D_RED, D_ROOT = \
     range(11)
@@ -85,19 +95,6 @@ def describe(group, op, dtype, backend, algorithm=None, codec=None, rule=None,
             name in _P2P, getattr(reduce_op, "value", reduce_op), root)
 
 
-def call(desc: tuple, count: int, extra=None) -> list:
-    """Record one call issued now; returns its entry (the caller sets ``T_END`` when a
-    blocking call returns, ``OUTCOME`` to its Work or exception)."""
-    g = desc[0]
-    if desc[8]:
-        seq = g.trace_p2p = g.trace_p2p + 1
-    else:
-        seq = g.trace_seq = g.trace_seq + 1
-    e = [desc, seq, _now(), count, extra, None, None, frame() if STACK else None]
-    append(e)
-    return e
-
-
 def failure(exc) -> tuple:
     """What an entry keeps of the exception its call raised: its state and text, not
     the exception (whose traceback holds the caller's frames and their tensors)."""
@@ -105,25 +102,168 @@ def failure(exc) -> tuple:
             f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
-def undo(e) -> None:
-    """Take back the entry ``call`` just made, where the call was not issued after all
-    (an issuer that refused its arguments: the general path then records the call)."""
-    g = e[DESC][D_GROUP]
-    if e[DESC][D_P2P]:
-        g.trace_p2p -= 1
-    else:
-        g.trace_seq -= 1
-    for i in range(1, min(len(ring), 64) + 1):  # the newest, unless a thread added more
-        try:
-            if ring[-i] is e:
-                del ring[-i]
-                return
-        except IndexError:  # (another thread changed the ring meanwhile)
-            return
-
-
 #: what a tuple ``extra`` (the fast path's, cheaper than a dict) holds, by op
 _EXTRA = {"send": ("peer", "tag"), "recv": ("peer", "tag"), "all_to_all": ("splits",)}
+
+
+def frame(depth: int = 2):
+    """The first frame outside MCR-DL's packages: "file:line in function"."""
+    f = sys._getframe(depth)
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if not mod.startswith(("mcrdl_", "jax", "torch")):
+            return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return None
+
+
+class PyRing:
+    """The ring in Python columns (where ring.c is not built, or MCRDL_TRACE_STACK asks
+    for each call's frame): the same functions as the compiled ring, slot for slot."""
+
+    def __init__(self, size: int, stack: bool = False):
+        self.size, self.stack = size, stack
+        self.descs: list = [None] * size
+        self.seqs = array.array("q", bytes(8 * size))
+        self.t_issue = array.array("d", bytes(8 * size))
+        self.t_end = array.array("d", bytes(8 * size))
+        self.counts = array.array("q", bytes(8 * size))
+        self.extras: list = [None] * size
+        self.outcomes: list = [None] * size
+        self.frames: list = [None] * size
+        self.ticks = array.array("q", [-1]) * size
+        self._next = itertools.count().__next__
+
+    def note(self, desc: tuple, count: int, extra=None, out=None) -> int:
+        """Record one call issued now (``out``: its async Work, where it is known
+        already); returns its tick, for ``end`` when a blocking call returns,
+        ``outcome`` for its Work or exception, ``forget``."""
+        g = desc[0]
+        if desc[8]:
+            seq = g.trace_p2p = g.trace_p2p + 1
+        else:
+            seq = g.trace_seq = g.trace_seq + 1
+        t = self._fill(desc, seq, count, extra, out)
+        return t
+
+    def lowered(self, desc: tuple, count: int, extra, out) -> int:
+        """An entry with no sequence number (seq -1): a call lowered into a program."""
+        return self._fill(desc, -1, count, extra, out)
+
+    def _fill(self, desc, seq, count, extra, out) -> int:
+        t = self._next()
+        i = t % self.size
+        self.ticks[i] = t
+        self.descs[i] = desc
+        self.seqs[i] = seq
+        self.counts[i] = count
+        self.extras[i] = extra
+        self.outcomes[i] = out
+        self.frames[i] = frame(3) if self.stack else None
+        self.t_issue[i] = _now()
+        return t
+
+    def _slot(self, t: int) -> int:
+        """Call ``t``'s slot, or -1 where the slot holds a later call now."""
+        i = t % self.size
+        return i if t >= 0 and self.ticks[i] == t else -1
+
+    def end(self, t: int) -> None:
+        """The blocking call of tick ``t`` returned now."""
+        i = self._slot(t)
+        if i >= 0:
+            self.t_end[i] = _now()
+
+    def outcome(self, t: int, value) -> None:
+        """Call ``t``'s Work (async), or ``failure(exc)`` of the exception it raised."""
+        i = self._slot(t)
+        if i >= 0:
+            self.outcomes[i] = value
+
+    def forget(self, t: int) -> None:
+        """Empty call ``t``'s slot and take back its sequence number on its group."""
+        i = self._slot(t)
+        if i < 0 or self.descs[i] is None:
+            return
+        desc = self.descs[i]
+        self.ticks[i] = -1
+        self.descs[i] = self.extras[i] = self.outcomes[i] = None
+        g = desc[D_GROUP]
+        if desc[D_P2P]:
+            g.trace_p2p -= 1
+        else:
+            g.trace_seq -= 1
+
+    def clear(self) -> None:
+        """Forget every entry (tests; the groups' sequence numbers go on)."""
+        for i in range(self.size):
+            self.ticks[i] = -1
+            self.descs[i] = self.extras[i] = self.outcomes[i] = self.frames[i] = None
+
+    def recorded(self, fn, desc: tuple, count_at: int, mul: int, extra_at: tuple):
+        """``fn``, a blocking issuer (``spin, ...`` -> None when done, a receive's
+        source rank, False when it refused its arguments, else the Work of a call not
+        done within the spin), with every call recorded: noted before ``fn`` runs
+        (count: its argument ``count_at`` times ``mul``, 1 where ``count_at`` < 0;
+        extra: its arguments at ``extra_at``), ended when it returns done, taken back
+        when it refused. A call not done within the spin stays issued until the
+        caller's wait returns and it calls ``end_of(desc)``."""
+        note, end, forget = self.note, self.end, self.forget
+
+        def recorded_call(*args):
+            extra = tuple(args[k] if k < len(args) else None for k in extra_at) or None
+            t = note(desc, args[count_at] * mul if count_at >= 0 else 1, extra)
+            res = fn(*args)
+            if res is False:
+                forget(t)
+            elif res is None or res.__class__ is int:
+                end(t)
+            return res
+        return recorded_call
+
+    def end_of(self, desc: tuple) -> None:
+        """End the newest call of ``desc`` not ended yet (see ``recorded``)."""
+        best = -1
+        for i, t in enumerate(self.ticks):
+            if (t > best and self.descs[i] is desc and self.outcomes[i] is None
+                    and self.t_end[i] < self.t_issue[i]):
+                best = t
+        if best >= 0:
+            self.end(best)
+
+    def slots(self) -> list:
+        """The filled slots, oldest call first: (tick, desc, seq, t_issue, t_end,
+        count, extra, outcome, frame) each."""
+        order = sorted((t, i) for i, t in enumerate(self.ticks)
+                       if t >= 0 and self.descs[i] is not None)
+        return [(t, self.descs[i], self.seqs[i], self.t_issue[i], self.t_end[i],
+                 self.counts[i], self.extras[i], self.outcomes[i], self.frames[i])
+                for t, i in order]
+
+
+def native(size: int):
+    """The compiled ring (``observe/ring.c``, built by ``make install``), made anew
+    with ``size`` slots, or None: not built, built from another version of ring.c, or
+    a clock other than perf_counter's (Work.t_done is perf_counter's)."""
+    if ring is None:
+        return None
+    if getattr(ring, "VERSION", None) != 2 or abs(ring.now() - time.perf_counter()) > 0.05:
+        return None
+    ring.init(size)
+    return ring
+
+
+#: the ring in use: the compiled one (``NATIVE``), else Python's; its functions, bound
+#: once (the fast path calls them)
+NATIVE = native(SIZE) if ON and not STACK else None
+RING = NATIVE if NATIVE is not None else PyRing(max(SIZE, 1), STACK)
+call, end, outcome, undo, clear = RING.note, RING.end, RING.outcome, RING.forget, RING.clear
+recorded, end_of = RING.recorded, RING.end_of
+if NATIVE is not None:
+    def _slots() -> list:
+        return [(*x, None) for x in NATIVE.slots()]
+else:
+    _slots = RING.slots
 
 
 def lowered(desc: tuple, count: int, extra=None) -> None:
@@ -131,19 +271,7 @@ def lowered(desc: tuple, count: int, extra=None) -> None:
     (a JAX call lowered to mpi4jax's primitive): once, when traced, with no sequence
     number, since its runs are the program's, not the core's."""
     if ON:
-        append([desc, None, _now(), count, extra, "lowered", None,
-                frame() if STACK else None])
-
-
-def frame():
-    """The first frame outside MCR-DL's packages: "file:line in function"."""
-    f = sys._getframe(2)
-    while f is not None:
-        mod = f.f_globals.get("__name__", "")
-        if not mod.startswith(("mcrdl_", "jax", "torch")):
-            return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
-        f = f.f_back
-    return None
+        RING.lowered(desc, count, extra, "lowered")
 
 
 # --- the process's runtime ---------------------------------------------------------------
@@ -191,11 +319,11 @@ def directory(rt=None) -> str:
     return os.path.join(tempfile.gettempdir(), f"mcrdl-trace-{job_id(rt)}")
 
 
-def _state_of(e) -> tuple:
-    """(state, end time or None) of an entry, read now."""
-    out, t_end = e[OUTCOME], e[T_END]
-    if t_end is not None:
-        return "completed", t_end
+def _state_of(slot) -> tuple:
+    """(state, end time or None) of a slot's entry (``_slots``), read now."""
+    _, desc, _, issued, ended, _, _, out, _ = slot
+    if out is None and ended >= issued:
+        return "completed", ended
     if out == "lowered":
         return "lowered", None
     if out.__class__ is tuple:  # (state, text): the exception a blocking call raised
@@ -207,40 +335,39 @@ def _state_of(e) -> tuple:
             if err is None:
                 return "completed", t
             return ("timed out" if isinstance(err, CommTimeoutError) else "failed"), t
-    broken = getattr(e[DESC][D_GROUP], "broken", None)
+    broken = getattr(desc[D_GROUP], "broken", None)
     if broken is not None:
         return ("timed out" if isinstance(broken, CommTimeoutError) else "failed"), None
     return "issued", None
 
 
-def _entry_json(e, wall) -> dict:
-    d = e[DESC]
+def _entry_json(slot, wall) -> dict:
+    _, d, seq, issued, _, count, extra, outcome_, frame_ = slot
     g, dtype = d[D_GROUP], d[D_DTYPE]
-    state, t_end = _state_of(e)
-    count = e[COUNT]
+    state, end_ = _state_of(slot)
     item = getattr(dtype, "itemsize", None)
-    out = {"group": getattr(g, "key", str(g)), "seq": e[SEQ], "p2p": d[D_P2P], "op": d[D_OP],
+    out = {"group": getattr(g, "key", str(g)), "seq": None if seq < 0 else seq,
+           "p2p": d[D_P2P], "op": d[D_OP],
            "dtype": getattr(dtype, "name", dtype), "count": count,
-           "bytes": None if item is None or count is None else count * item,
+           "bytes": None if item is None else count * item,
            "backend": d[D_BACKEND], "algorithm": d[D_ALGO], "codec": d[D_CODEC],
-           "rule": d[D_RULE], "async": d[D_ASYNC] or hasattr(e[OUTCOME], "done"),
+           "rule": d[D_RULE], "async": d[D_ASYNC] or hasattr(outcome_, "done"),
            "state": state,
-           "t_issue": round(e[T_ISSUE] + wall, 6),
-           "t_end": None if t_end is None else round(t_end + wall, 6)}
+           "t_issue": round(issued + wall, 6),
+           "t_end": None if end_ is None else round(end_ + wall, 6)}
     if d[D_RED] is not None:
         out["reduce_op"] = d[D_RED]
     if d[D_ROOT] is not None:
         out["root"] = d[D_ROOT]
-    extra = e[EXTRA]
     if extra:
         if isinstance(extra, tuple):
             extra = {k: _plain(v) for k, v in zip(_EXTRA.get(d[D_OP], ()), extra)
                      if v is not None}
         out.update(extra)
-    if e[OUTCOME].__class__ is tuple:
-        out["error"] = e[OUTCOME][1]
-    if e[FRAME]:
-        out["frame"] = e[FRAME]
+    if outcome_.__class__ is tuple:
+        out["error"] = outcome_[1]
+    if frame_:
+        out["frame"] = frame_
     return out
 
 
@@ -257,14 +384,7 @@ def snapshot(reason: str = "requested") -> dict:
     """This rank's dump as a dict (what ``dump`` writes)."""
     rt = _state["rt"]
     wall = time.time() - _now()  # perf_counter -> wall-clock seconds
-    for _ in range(4):  # another thread may append meanwhile
-        try:
-            entries = list(ring)
-            break
-        except RuntimeError:
-            continue
-    else:
-        entries = []
+    slots = _slots() if ON else []  # (oldest first; under the GIL for the C ring)
     groups = {}
     for g in (rt.groups if rt is not None else ()):
         if not getattr(g, "is_member", False):
@@ -280,7 +400,7 @@ def snapshot(reason: str = "requested") -> dict:
             "time": round(time.time(), 6), "capacity": SIZE,
             "faults": [f"{type(f).__name__}: {str(f)[:300]}" for f in _faults.recorded()],
             "groups": groups,
-            "entries": [_entry_json(e, wall) for e in entries],
+            "entries": [_entry_json(x, wall) for x in slots],
             "complete": True}
 
 

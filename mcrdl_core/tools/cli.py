@@ -33,6 +33,7 @@ from ..dispatch.runtime import init
 from ..dispatch.selection import TuningTable
 from ..memory.buffer import Buffer, Device
 from ..memory.cuda import cupy, device_count, device_reason
+from ..observe import recorder as _recorder
 from ..observe.logger import bandwidths
 from ..world.backend import load_attr
 from ..world.bootstrap import cluster_info
@@ -542,6 +543,13 @@ def cmd_info(args) -> int:
                                if _native.active() is not None else
                                "NumPy path: " + (why if lib is None else
                                                  "MCRDL_CODEC_KERNELS is off")))
+    print("flight recorder: " + (
+        "off (MCRDL_TRACE_ENTRIES=0)" if not _recorder.ON else
+        f"{_recorder.SIZE} entries, " + (
+            "compiled ring (mcrdl_core/observe/ring.c)" if _recorder.NATIVE is not None else
+            "Python ring: " + ("MCRDL_TRACE_STACK=1 (each call's frame)" if _recorder.STACK
+                               else "observe/ring.c not built (python -m "
+                               "mcrdl_core.tools.build_ring)"))))
     reason = device_reason()
     print(f"CUDA: {'available, ' + str(_device_count()) + ' device(s)' if reason is None else reason}")
     print(_conditions_now(bs))

@@ -37,6 +37,15 @@ def compile_into(command: Callable[[str], list[str]], source: Path, out: Path,
     return out
 
 
+def build_with(cc: str | None, missing: str, command: Callable[[str, str], list[str]],
+               source: Path, out: Path, quiet: bool = False) -> Path:
+    """``compile_into`` with the compiler ``cc`` (``command(cc, tmp)``), or a
+    RuntimeError saying ``missing`` (what to install) where there is none."""
+    if cc is None:
+        raise RuntimeError(missing)
+    return compile_into(lambda tmp: command(cc, tmp), source, out, quiet)
+
+
 def main(build: Callable[[], Path]) -> None:
     """A build module's ``__main__``: run ``build``; exit with its error's text."""
     try:

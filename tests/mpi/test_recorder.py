@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not rec.ON, reason="the recorder is off (MCRDL_T
 @pytest.fixture
 def ring():
     """The entries recorded by the test, as dump-shaped dicts."""
-    rec.ring.clear()
+    rec.clear()
 
     def entries():
         return rec.snapshot("test")["entries"]

@@ -1,0 +1,389 @@
+/* The flight recorder's ring in C (observe/recorder.py loads it when built).
+ *
+ * The same ring as recorder.py's Python columns, slot for slot: one entry a call,
+ * slot tick % size, where tick counts every call of the process. A call of the fast
+ * path records itself with one C call (note) and ends with one more (end), instead of
+ * a dozen Python stores: on a 2-core VM the Python form cost 0.8 µs a call, this one
+ * a few tenths (bench/overhead.py). The clock is CLOCK_MONOTONIC, the one behind
+ * Python's time.perf_counter on Linux, so the entries' times and the async Works' own
+ * (Work.t_done) are on one clock.
+ *
+ * Every function runs under the GIL: a note is never seen half made by another
+ * thread's note or by slot(). The ring holds references to the objects it records
+ * (the call's static tuple, its extra, its outcome) until the slot is reused.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <time.h>
+
+#define VERSION 2
+
+static Py_ssize_t size = 0;
+static long long next_tick = 0;
+static long long *ticks, *seqs, *counts;
+static double *t_issue, *t_end;
+static PyObject **descs, **extras, **outcomes;
+static PyObject *s_seq, *s_p2p;  /* "trace_seq", "trace_p2p" */
+
+static inline double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void clear_slot(Py_ssize_t i) {
+    ticks[i] = -1;
+    Py_CLEAR(descs[i]);
+    Py_CLEAR(extras[i]);
+    Py_CLEAR(outcomes[i]);
+}
+
+/* init(size): (re)make an empty ring of `size` slots, ticks from 0. */
+static PyObject *ring_init(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) { PyErr_SetString(PyExc_ValueError, "the ring needs at least one slot"); return NULL; }
+    for (Py_ssize_t i = 0; i < size; i++) clear_slot(i);
+    PyMem_Free(ticks); PyMem_Free(seqs); PyMem_Free(counts);
+    PyMem_Free(t_issue); PyMem_Free(t_end);
+    PyMem_Free(descs); PyMem_Free(extras); PyMem_Free(outcomes);
+    ticks = PyMem_Calloc(n, sizeof *ticks); seqs = PyMem_Calloc(n, sizeof *seqs);
+    counts = PyMem_Calloc(n, sizeof *counts);
+    t_issue = PyMem_Calloc(n, sizeof *t_issue); t_end = PyMem_Calloc(n, sizeof *t_end);
+    descs = PyMem_Calloc(n, sizeof *descs); extras = PyMem_Calloc(n, sizeof *extras);
+    outcomes = PyMem_Calloc(n, sizeof *outcomes);
+    if (!ticks || !seqs || !counts || !t_issue || !t_end || !descs || !extras || !outcomes) {
+        size = 0;
+        return PyErr_NoMemory();
+    }
+    size = n;
+    next_tick = 0;
+    for (Py_ssize_t i = 0; i < n; i++) ticks[i] = -1;
+    Py_RETURN_NONE;
+}
+
+/* Record a call: the group's sequence number plus one (desc[8]: point to point, its
+ * trace_p2p, else trace_seq), written back; the slot filled. Returns the slot, or -1
+ * with an exception set; *tick: the call's tick. */
+static Py_ssize_t note_c(PyObject *desc, long long count, PyObject *extra, PyObject *out,
+                         long long *tick)
+{
+    PyObject *g = PyTuple_GET_ITEM(desc, 0);
+    PyObject *name = PyTuple_GET_ITEM(desc, 8) == Py_True ? s_p2p : s_seq;
+    PyObject *v = PyObject_GetAttr(g, name);
+    if (v == NULL) return -1;
+    long long seq = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (seq == -1 && PyErr_Occurred()) return -1;
+    seq += 1;
+    PyObject *nv = PyLong_FromLongLong(seq);
+    if (nv == NULL) return -1;
+    int rc = PyObject_SetAttr(g, name, nv);
+    Py_DECREF(nv);
+    if (rc < 0) return -1;
+    long long t = next_tick++;
+    Py_ssize_t i = (Py_ssize_t)(t % size);
+    ticks[i] = t;
+    seqs[i] = seq;
+    counts[i] = count;
+    Py_INCREF(desc); Py_XSETREF(descs[i], desc);
+    Py_INCREF(extra); Py_XSETREF(extras[i], extra);
+    Py_INCREF(out); Py_XSETREF(outcomes[i], out);
+    t_issue[i] = now();
+    *tick = t;
+    return i;
+}
+
+/* Empty slot i and take back its call's sequence number on the group. */
+static int forget_c(Py_ssize_t i)
+{
+    PyObject *desc = descs[i];
+    if (desc == NULL) return 0;
+    Py_INCREF(desc);
+    clear_slot(i);
+    PyObject *g = PyTuple_GET_ITEM(desc, 0);
+    PyObject *name = PyTuple_GET_ITEM(desc, 8) == Py_True ? s_p2p : s_seq;
+    PyObject *v = PyObject_GetAttr(g, name);
+    int rc = -1;
+    if (v != NULL) {
+        long long seq = PyLong_AsLongLong(v);
+        Py_DECREF(v);
+        PyObject *nv = seq == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(seq - 1);
+        if (nv != NULL) {
+            rc = PyObject_SetAttr(g, name, nv);
+            Py_DECREF(nv);
+        }
+    }
+    Py_DECREF(desc);
+    return rc;
+}
+
+static int check_desc(PyObject *desc)
+{
+    if (!PyTuple_Check(desc) || PyTuple_GET_SIZE(desc) < 9) {
+        PyErr_SetString(PyExc_TypeError, "desc: the recorder's tuple (recorder.describe)");
+        return -1;
+    }
+    if (size == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "the ring is not made: init(size)");
+        return -1;
+    }
+    return 0;
+}
+
+/* note(desc, count, extra=None, out=None) -> tick. */
+static PyObject *ring_note(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "note(desc, count, extra=None, out=None)");
+        return NULL;
+    }
+    if (check_desc(args[0]) < 0) return NULL;
+    long long count = PyLong_AsLongLong(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    long long t;
+    if (note_c(args[0], count, nargs > 2 ? args[2] : Py_None, nargs > 3 ? args[3] : Py_None,
+               &t) < 0)
+        return NULL;
+    return PyLong_FromLongLong(t);
+}
+
+/* recorded(fn, desc, count_at, mul, extra_at): fn, a blocking issuer (spin, ...) ->
+ * None when done (a receive: its source, an int), False when it refused its
+ * arguments, else the Work of a call not done within the spin, wrapped so that every
+ * call of it is recorded in C: noted before fn runs (count: its argument count_at
+ * times mul, or 1 where count_at < 0; extra: the tuple of its arguments at the
+ * indices extra_at, or None), ended when fn returns done, forgotten when fn refused
+ * (nothing was sent). A call not done within the spin stays issued until the caller,
+ * once its wait returns, calls end_of(desc). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fn, *desc;
+    Py_ssize_t count_at, mul, n_extra, extra_at[4];
+    vectorcallfunc vectorcall;
+} Recorded;
+
+static PyObject *recorded_call(PyObject *self, PyObject *const *args, size_t nargsf,
+                               PyObject *kwnames)
+{
+    Recorded *r = (Recorded *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    long long count = 1, t;
+    if (r->count_at >= 0) {
+        if (r->count_at >= nargs) {
+            PyErr_SetString(PyExc_TypeError, "recorded call: too few arguments");
+            return NULL;
+        }
+        count = PyLong_AsLongLong(args[r->count_at]);
+        if (count == -1 && PyErr_Occurred()) return NULL;
+        count *= r->mul;
+    }
+    PyObject *extra = Py_None;
+    if (r->n_extra) {
+        extra = PyTuple_New(r->n_extra);
+        if (extra == NULL) return NULL;
+        for (Py_ssize_t k = 0; k < r->n_extra; k++) {
+            Py_ssize_t at = r->extra_at[k];
+            PyObject *x = at < nargs ? args[at] : Py_None;
+            Py_INCREF(x);
+            PyTuple_SET_ITEM(extra, k, x);
+        }
+    } else {
+        Py_INCREF(extra);
+    }
+    Py_ssize_t i = note_c(r->desc, count, extra, Py_None, &t);
+    Py_DECREF(extra);
+    if (i < 0) return NULL;
+    PyObject *res = PyObject_Vectorcall(r->fn, args, nargsf, kwnames);
+    if (res == NULL || ticks[i] != t) return res;
+    if (res == Py_False) {
+        if (forget_c(i) < 0) { Py_DECREF(res); return NULL; }
+    } else if (res == Py_None || PyLong_CheckExact(res)) {
+        t_end[i] = now();
+    }
+    return res;
+}
+
+static void recorded_dealloc(PyObject *self)
+{
+    Recorded *r = (Recorded *)self;
+    Py_XDECREF(r->fn);
+    Py_XDECREF(r->desc);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyTypeObject RecordedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mcrdl_core.observe.ring.Recorded",
+    .tp_basicsize = sizeof(Recorded),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Recorded, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_dealloc = recorded_dealloc,
+    .tp_doc = "A blocking issuer whose calls the ring records (ring.recorded).",
+};
+
+static PyObject *ring_recorded(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) > 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "recorded(fn, desc, count_at, mul, extra_at: a tuple of <= 4)");
+        return NULL;
+    }
+    if (check_desc(args[1]) < 0) return NULL;
+    Py_ssize_t count_at = PyLong_AsSsize_t(args[2]), mul = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Recorded *r = PyObject_New(Recorded, &RecordedType);
+    if (r == NULL) return NULL;
+    r->n_extra = PyTuple_GET_SIZE(args[4]);
+    for (Py_ssize_t k = 0; k < r->n_extra; k++) {
+        r->extra_at[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[4], k));
+        if (r->extra_at[k] == -1 && PyErr_Occurred()) {
+            r->fn = r->desc = NULL;
+            Py_DECREF(r);
+            return NULL;
+        }
+    }
+    Py_INCREF(args[0]); r->fn = args[0];
+    Py_INCREF(args[1]); r->desc = args[1];
+    r->count_at = count_at;
+    r->mul = mul;
+    r->vectorcall = recorded_call;
+    return (PyObject *)r;
+}
+
+/* end_of(desc): end the newest call of desc not ended yet (a recorded call that was
+ * not done within its spin, once its wait returned). */
+static PyObject *ring_end_of(PyObject *self, PyObject *desc)
+{
+    long long first = next_tick > size ? next_tick - size : 0;
+    for (long long t = next_tick - 1; t >= first; t--) {
+        Py_ssize_t i = (Py_ssize_t)(t % size);
+        if (ticks[i] == t && descs[i] == desc && outcomes[i] == Py_None
+                && t_end[i] < t_issue[i]) {
+            t_end[i] = now();
+            break;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* lowered(desc, count, extra, out): an entry without a sequence number (seq -1) and
+ * without touching the group (a JAX call lowered into a compiled program). */
+static PyObject *ring_lowered(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "lowered(desc, count, extra, out)"); return NULL; }
+    if (size == 0) { PyErr_SetString(PyExc_RuntimeError, "the ring is not made: init(size)"); return NULL; }
+    long long count = PyLong_AsLongLong(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    long long t = next_tick++;
+    Py_ssize_t i = (Py_ssize_t)(t % size);
+    ticks[i] = t;
+    seqs[i] = -1;
+    counts[i] = count;
+    Py_INCREF(args[0]); Py_XSETREF(descs[i], args[0]);
+    Py_INCREF(args[2]); Py_XSETREF(extras[i], args[2]);
+    Py_INCREF(args[3]); Py_XSETREF(outcomes[i], args[3]);
+    t_issue[i] = now();
+    return PyLong_FromLongLong(t);
+}
+
+static int slot_of(PyObject *arg, Py_ssize_t *i) {
+    long long t = PyLong_AsLongLong(arg);
+    if (t == -1 && PyErr_Occurred()) return -1;
+    if (size == 0 || t < 0) { *i = -1; return 0; }
+    *i = (Py_ssize_t)(t % size);
+    if (ticks[*i] != t) *i = -1;  /* the slot holds a later call now */
+    return 0;
+}
+
+/* end(tick): the blocking call returned now. */
+static PyObject *ring_end(PyObject *self, PyObject *arg) {
+    Py_ssize_t i;
+    if (slot_of(arg, &i) < 0) return NULL;
+    if (i >= 0) t_end[i] = now();
+    Py_RETURN_NONE;
+}
+
+/* outcome(tick, value): the call's async Work, or the (state, text) of its error. */
+static PyObject *ring_outcome(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "outcome(tick, value)"); return NULL; }
+    Py_ssize_t i;
+    if (slot_of(args[0], &i) < 0) return NULL;
+    if (i >= 0) { Py_INCREF(args[1]); Py_XSETREF(outcomes[i], args[1]); }
+    Py_RETURN_NONE;
+}
+
+/* forget(tick): empty the slot of that call and take back its sequence number on
+ * its group (undo: a call that was not issued after all). */
+static PyObject *ring_forget(PyObject *self, PyObject *arg) {
+    Py_ssize_t i;
+    if (slot_of(arg, &i) < 0) return NULL;
+    if (i >= 0 && forget_c(i) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* clear(): forget every entry. */
+static PyObject *ring_clear(PyObject *self, PyObject *unused) {
+    for (Py_ssize_t i = 0; i < size; i++) clear_slot(i);
+    Py_RETURN_NONE;
+}
+
+/* slots() -> [(tick, desc, seq, t_issue, t_end, count, extra, outcome), ...] of every
+ * filled slot, oldest call first. */
+static PyObject *ring_slots(PyObject *self, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    long long first = next_tick > size ? next_tick - size : 0;
+    for (long long t = first; t < next_tick; t++) {
+        Py_ssize_t i = (Py_ssize_t)(t % size);
+        if (ticks[i] != t || descs[i] == NULL) continue;
+        PyObject *item = Py_BuildValue("(LOLddLOO)", t, descs[i], seqs[i], t_issue[i],
+                                       t_end[i], counts[i], extras[i], outcomes[i]);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *ring_now(PyObject *self, PyObject *unused) {
+    return PyFloat_FromDouble(now());
+}
+
+static PyMethodDef methods[] = {
+    {"init", ring_init, METH_O, "init(size): an empty ring of size slots"},
+    {"note", (PyCFunction)(void (*)(void))ring_note, METH_FASTCALL,
+     "note(desc, count, extra=None, out=None) -> tick: record a call issued now"},
+    {"lowered", (PyCFunction)(void (*)(void))ring_lowered, METH_FASTCALL,
+     "lowered(desc, count, extra, out) -> tick: an entry with no sequence number"},
+    {"end", ring_end, METH_O, "end(tick): the blocking call returned now"},
+    {"outcome", (PyCFunction)(void (*)(void))ring_outcome, METH_FASTCALL,
+     "outcome(tick, value): the call's Work or (state, text) of its error"},
+    {"forget", ring_forget, METH_O, "forget(tick): empty its slot, take back its seq"},
+    {"recorded", (PyCFunction)(void (*)(void))ring_recorded, METH_FASTCALL,
+     "recorded(fn, desc, count_at, mul, extra_at) -> fn, its calls recorded"},
+    {"end_of", ring_end_of, METH_O, "end_of(desc): end desc's newest open call"},
+    {"clear", ring_clear, METH_NOARGS, "clear(): forget every entry"},
+    {"slots", ring_slots, METH_NOARGS, "slots() -> the filled slots, oldest first"},
+    {"now", ring_now, METH_NOARGS, "now(): the ring's clock (time.perf_counter's)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ring",
+    "The flight recorder's ring in C (see observe/recorder.py).", -1, methods,
+    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_ring(void) {
+    s_seq = PyUnicode_InternFromString("trace_seq");
+    s_p2p = PyUnicode_InternFromString("trace_p2p");
+    if (s_seq == NULL || s_p2p == NULL || PyType_Ready(&RecordedType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "VERSION", VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
