@@ -31,6 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("torch.all_reduce", "torch.broadcast", "numpy.all_reduce")
+#: --inproc times these too: a gather of tensors, a list form, and a pipeline's step
+#: (isend to the next rank, blocking recv from the previous one, wait)
+MORE = ("torch.all_gather_into_tensor", "torch.all_gather (list of 2)",
+        "torch.isend+recv+wait")
 
 
 def job(calls: int, rounds: int) -> None:
@@ -78,11 +82,25 @@ def inproc(calls: int, rounds: int) -> None:
     groups = {k: core.new_group(backend="mpi") for k in ("on", "on2", "off")}
     t = torch.ones(4)
     a = np.ones(4, np.float32)
+    n, me = core.get_world_size(), core.get_rank()
+    big = torch.empty(4 * n)
+    parts = [torch.empty(4) for _ in range(n)]
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    got = torch.empty(4)
+
+    def step(g):
+        w = dist.isend(t, nxt, group=g)
+        dist.recv(got, prv, group=g)
+        w.wait()
 
     def fns(g):
         return {"torch.all_reduce": lambda: dist.all_reduce(t, group=g),
                 "torch.broadcast": lambda: dist.broadcast(t, 0, group=g),
-                "numpy.all_reduce": lambda: core.all_reduce(a, group=g)}
+                "numpy.all_reduce": lambda: core.all_reduce(a, group=g),
+                "torch.all_gather_into_tensor":
+                    lambda: dist.all_gather_into_tensor(big, t, group=g),
+                "torch.all_gather (list of 2)": lambda: dist.all_gather(parts, t, group=g),
+                "torch.isend+recv+wait": lambda: step(g)}
     table = {k: fns(g) for k, g in groups.items()}
     for k in table:
         for fn in table[k].values():
@@ -94,10 +112,12 @@ def inproc(calls: int, rounds: int) -> None:
             v.desc = None  # (an instance attribute: this plan records nothing now)
         elif isinstance(key, tuple) and off in key and callable(v):
             del rt.choices[key]  # a bound call of the off group: made again, without
-    per = {k: {op: [] for op in OPS} for k in table}
-    for _ in range(rounds):
-        for op in OPS:
-            for k in ("on", "off", "on2"):
+    per = {k: {op: [] for op in OPS + MORE} for k in table}
+    orders = (("on", "off", "on2"), ("off", "on2", "on"), ("on2", "on", "off"))
+    for r in range(rounds):
+        for op in OPS + MORE:
+            for k in orders[r % 3]:  # (each group in each place alike: the first block
+                # after another op's pays for the switch)
                 fn = table[k][op]
                 for _ in range(200):
                     fn()
@@ -106,10 +126,8 @@ def inproc(calls: int, rounds: int) -> None:
                 for _ in range(calls):
                     fn()
                 per[k][op].append((time.perf_counter() - t0) / calls)
-    if core.get_rank() == 0:
-        # the fastest round of each: on a shared machine the others are disturbed
-        print("RESULT " + json.dumps({k: {op: min(v) for op, v in d.items()}
-                                      for k, d in per.items()}), flush=True)
+    if core.get_rank() == 0:  # every round's figure; main() pairs them round by round
+        print("RESULT " + json.dumps(per), flush=True)
 
 
 def micro() -> dict:
@@ -119,11 +137,10 @@ def micro() -> dict:
 
     g = Group(0, [0], 0)
     desc = rec.describe(g, "all_reduce", None, "mpi", rule="policy")
-    note, now = rec.call, time.perf_counter
+    note, end = rec.call, rec.end
 
-    def step():  # what the fast path adds to a blocking call (fastpath._note, then its end)
-        e = note(desc, 4)
-        e[6] = now()
+    def step():  # what an explicit entry adds to a blocking call (its note, then its end)
+        end(note(desc, 4))
 
     # many short repeats, the fastest kept: on a shared machine some run undisturbed
     n = 2000
@@ -168,11 +185,16 @@ def main() -> None:
         r = launch(True, a.calls, a.rounds, a.ranks, "--inproc-job")
         end = os.getloadavg()
         print(f"one {a.ranks}-rank job, {a.rounds} rounds of {a.calls} calls per group "
-              f"interleaved, the fastest round of each; load average {load[0]:.2f} at start, {end[0]:.2f} at end")
-        print(f"{'op':<18} {'on µs':>8} {'off µs':>8} {'on-off':>8} {'A/A on2-on':>11}")
-        for op in OPS:
-            on, on2, off = (r[k][op] * 1e6 for k in ("on", "on2", "off"))
-            print(f"{op:<18} {on:8.3f} {off:8.3f} {on - off:8.3f} {on2 - on:11.3f}")
+              f"interleaved (on, off, on2 back to back in each round, in rotated order); on and off: the "
+              f"median round; on-off and A/A: the median over rounds of the round's "
+              f"difference; load average {load[0]:.2f} at start, {end[0]:.2f} at end")
+        print(f"{'op':<28} {'on µs':>8} {'off µs':>8} {'on-off':>8} {'A/A on2-on':>11}")
+        med = statistics.median
+        for op in OPS + MORE:
+            on, on2, off = (r[k][op] for k in ("on", "on2", "off"))
+            print(f"{op:<28} {med(on) * 1e6:8.3f} {med(off) * 1e6:8.3f} "
+                  f"{med(x - y for x, y in zip(on, off)) * 1e6:8.3f} "
+                  f"{med(x - y for x, y in zip(on2, on)) * 1e6:11.3f}")
         return
     load = os.getloadavg()
     if a.micro:

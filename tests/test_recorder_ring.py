@@ -95,3 +95,29 @@ def test_bad_arguments_say_what_is_wanted(rings):
         native.note(rec.describe(_Group(), "barrier", None, "mpi"))
     with pytest.raises(ValueError, match="at least one slot"):
         native.init(0)
+
+
+class _Work:
+    def __init__(self, done, error=None, t_done=None):
+        self.done, self.error = done, error
+        if t_done is not None:
+            self.t_done = t_done
+
+
+def test_done_works_are_let_go_four_calls_later(rings):
+    """A done async Work leaves the ring 4 calls after its own (its end: its t_done, or
+    the time the ring saw it done); one in flight or failed stays."""
+    for ring in (_native(16), rec.PyRing(16)):
+        g = _Group()
+        d = rec.describe(g, "all_reduce", None, "mpi")
+        ok, flying, failed = _Work(True, t_done=1e12), _Work(False), _Work(True, "boom")
+        bare = _Work(True)  # (a compiled Work keeps no t_done)
+        for w in (ok, flying, failed, bare):
+            ring.note(d, 1, None, w)
+        assert [s[7] for s in ring.slots()] == [ok, flying, failed, bare]
+        for _ in range(4):
+            ring.note(d, 1)  # ticks 4-7 look at ticks 0-3
+        s = {x[0]: x for x in ring.slots()}
+        assert s[0][7] == "async" and s[0][4] == 1e12
+        assert s[1][7] is flying and s[2][7] is failed
+        assert s[3][7] == "async" and s[3][4] >= s[3][3]

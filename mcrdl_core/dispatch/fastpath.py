@@ -1380,6 +1380,11 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     name, bname, size = op.value, be.name, g.size
     desc, facts = getattr(plan, "desc", None), _FACTS[op]
+    # blocking alone: recorded in the compiled issuer's call (spin, out, ptr, count); the
+    # list all-to-all's count is its first block's, its entry made here
+    wrapped = (desc is not None and blocking is not None and op is not Op.ALL_TO_ALL)
+    if wrapped:
+        blocking = _recorded(blocking, desc, 3, 1, ())
 
     def call(x, y, z, owners):
         logging_on = rt.logger.enabled
@@ -1393,18 +1398,20 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
         args, spans, nbytes = prepared
         if logging_on:
             t0 = _now()
-        e = None if desc is None else _note(desc, *facts(args, g))
         if launched:
             work = launch(op, g, issue, args, spans, owners, eng)
-            if work is None or async_op:
-                if e is not None:
-                    if work is None:
-                        _undo(e)
-                    else:
-                        _outcome(e, work)
-                return MISS if work is None else work
+            if work is None:
+                return MISS
+            if async_op:
+                if desc is not None:
+                    _note(desc, *facts(args, g), work)
+                return work
+            e = None if desc is None else _note(desc, *facts(args, g))
             work.wait()
+            if e is not None:
+                _end(e)
         else:
+            e = None if desc is None or wrapped else _note(desc, *facts(args, g))
             left = blocking(eng.spin_s, *args)
             if left is False:  # (counts the issuer refused: nothing was sent)
                 if e is not None:
@@ -1412,8 +1419,10 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
                 return MISS
             if left is not None:  # not done within the spin: the engine's wait
                 be.fast_work(op, g, be.fast_request(left), spans, owners).wait()
-        if e is not None:
-            _end(e)
+                if wrapped:
+                    _end_of(desc)
+            if e is not None:
+                _end(e)
         if logging_on:
             rt.logger.records.append((name, nbytes, bname, size, _now() - t0))
         return None

@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define VERSION 2
+#define VERSION 3
 
 static Py_ssize_t size = 0;
 static long long next_tick = 0;
@@ -25,6 +25,7 @@ static long long *ticks, *seqs, *counts;
 static double *t_issue, *t_end;
 static PyObject **descs, **extras, **outcomes;
 static PyObject *s_seq, *s_p2p;  /* "trace_seq", "trace_p2p" */
+static PyObject *s_done, *s_error, *s_t_done, *s_async;  /* "done", ..., the marker "async" */
 
 static inline double now(void) {
     struct timespec ts;
@@ -63,6 +64,44 @@ static PyObject *ring_init(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* Release the async Work of call t (if the slot still holds it) once it is done
+ * without an error: its end becomes the Work's t_done (the time the ring saw it done,
+ * where the Work keeps none: the MPI fast path's compiled Works), its outcome the
+ * marker "async". Why: a ring of thousands of Works held until their slots are reused
+ * kept their memory from being reused hot, which cost async calls most of a µs each. A
+ * failed Work stays (its error is the entry's state); any error here is dropped. */
+static void release_done(long long t)
+{
+    if (t < 0) return;
+    Py_ssize_t j = (Py_ssize_t)(t % size);
+    PyObject *o = outcomes[j];
+    if (ticks[j] != t || o == NULL || o == Py_None || PyTuple_CheckExact(o)
+            || PyUnicode_CheckExact(o))
+        return;
+    /* (looked up without raising: an AttributeError made and dropped costs more than
+     * the rest of the call) */
+    PyObject *x = NULL;
+    if (_PyObject_LookupAttr(o, s_done, &x) <= 0) { PyErr_Clear(); return; }
+    int yes = PyObject_IsTrue(x);
+    Py_DECREF(x);
+    if (yes != 1) { PyErr_Clear(); return; }
+    if (_PyObject_LookupAttr(o, s_error, &x) < 0) { PyErr_Clear(); return; }
+    if (x != NULL) {
+        int failed = x != Py_None;
+        Py_DECREF(x);
+        if (failed) return;
+    }
+    double end_ = -1.0;
+    if (_PyObject_LookupAttr(o, s_t_done, &x) < 0) PyErr_Clear();
+    else if (x != NULL) {
+        if (PyFloat_Check(x)) end_ = PyFloat_AS_DOUBLE(x);
+        Py_DECREF(x);
+    }
+    t_end[j] = end_ >= t_issue[j] ? end_ : now();
+    Py_INCREF(s_async);
+    Py_XSETREF(outcomes[j], s_async);
+}
+
 /* Record a call: the group's sequence number plus one (desc[8]: point to point, its
  * trace_p2p, else trace_seq), written back; the slot filled. Returns the slot, or -1
  * with an exception set; *tick: the call's tick. */
@@ -92,6 +131,8 @@ static Py_ssize_t note_c(PyObject *desc, long long count, PyObject *extra, PyObj
     Py_INCREF(out); Py_XSETREF(outcomes[i], out);
     t_issue[i] = now();
     *tick = t;
+    if (t >= 4) release_done(t - 4);  /* (a p2p step's send, waited by now) */
+    if (t >= 64) release_done(t - 64);  /* (an overlapped collective, a second look) */
     return i;
 }
 
@@ -379,7 +420,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ring",
 PyMODINIT_FUNC PyInit_ring(void) {
     s_seq = PyUnicode_InternFromString("trace_seq");
     s_p2p = PyUnicode_InternFromString("trace_p2p");
-    if (s_seq == NULL || s_p2p == NULL || PyType_Ready(&RecordedType) < 0) return NULL;
+    s_done = PyUnicode_InternFromString("done");
+    s_error = PyUnicode_InternFromString("error");
+    s_t_done = PyUnicode_InternFromString("t_done");
+    s_async = PyUnicode_InternFromString("async");
+    if (s_seq == NULL || s_p2p == NULL || s_done == NULL || s_error == NULL || s_t_done == NULL
+            || s_async == NULL || PyType_Ready(&RecordedType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "VERSION", VERSION) < 0) {
         Py_DECREF(m);
