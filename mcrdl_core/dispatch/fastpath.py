@@ -1320,9 +1320,10 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     receives = op is Op.RECV
     name, bname, size = op.value, be.name, g.size
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
+    if desc is not None:  # this closure's peer in its entries' desc, the tag their extra
+        desc = desc[:_rec.D_ROOT] + (peer,)  # (an int: no tuple made per call)
     recorded = (blocking if desc is None or blocking is None
-                else _recorded(blocking, desc, 2, 1, (3, 4)))
-    # ((spin, ptr, count, peer, tag): the entry's extra is (peer, tag))
+                else _recorded(blocking, desc, 2, 1, (4,)))  # ((spin, ptr, count, peer, tag))
 
     def call(ptr, count, tag, owner):
         logging_on = rt.logger.enabled
@@ -1337,9 +1338,9 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
                 return MISS
             if async_op:
                 if desc is not None:
-                    _note(desc, count, (peer, tag), work)
+                    _note(desc, count, tag, work)
                 return work
-            e = None if desc is None else _note(desc, count, (peer, tag))
+            e = None if desc is None else _note(desc, count, tag)
             # blocking with other work in flight: registered like an async call (its
             # memory checked against what is in flight), then waited (the compiled spin
             # while every work in flight is MPI's, else the engine's wait)

@@ -226,13 +226,18 @@ class PyRing:
         source rank, False when it refused its arguments, else the Work of a call not
         done within the spin), with every call recorded: noted before ``fn`` runs
         (count: its argument ``count_at`` times ``mul``, 1 where ``count_at`` < 0;
-        extra: its arguments at ``extra_at``), ended when it returns done, taken back
+        extra: its arguments at ``extra_at``, the one itself where it names one), ended when it returns done, taken back
         when it refused. A call not done within the spin stays issued until the
         caller's wait returns and it calls ``end_of(desc)``."""
         note, end, forget = self.note, self.end, self.forget
 
+        one = extra_at[0] if len(extra_at) == 1 else None
+
         def recorded_call(*args):
-            extra = tuple(args[k] if k < len(args) else None for k in extra_at) or None
+            if one is not None:  # (one argument: itself)
+                extra = args[one] if one < len(args) else None
+            else:
+                extra = tuple(args[k] if k < len(args) else None for k in extra_at) or None
             t = note(desc, args[count_at] * mul if count_at >= 0 else 1, extra)
             res = fn(*args)
             if res is False:
@@ -379,8 +384,10 @@ def _entry_json(slot, wall) -> dict:
            "t_end": None if end_ is None else round(end_ + wall, 6)}
     if d[D_RED] is not None:
         out["reduce_op"] = d[D_RED]
-    if d[D_ROOT] is not None:
-        out["root"] = d[D_ROOT]
+    if d[D_ROOT] is not None:  # (a bound send's or receive's: its peer, in the desc)
+        out["peer" if d[D_P2P] else "root"] = d[D_ROOT]
+    if extra.__class__ is int and d[D_P2P]:  # (its tag alone: the peer is the desc's)
+        extra = {"tag": extra}
     if extra:
         if isinstance(extra, tuple):
             extra = {k: _plain(v) for k, v in zip(_EXTRA.get(d[D_OP], ()), extra)

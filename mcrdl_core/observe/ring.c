@@ -194,7 +194,7 @@ static PyObject *ring_note(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * arguments, else the Work of a call not done within the spin, wrapped so that every
  * call of it is recorded in C: noted before fn runs (count: its argument count_at
  * times mul, or 1 where count_at < 0; extra: the tuple of its arguments at the
- * indices extra_at, or None), ended when fn returns done, forgotten when fn refused
+ * indices extra_at, the argument itself where extra_at names one, or None), ended when fn returns done, forgotten when fn refused
  * (nothing was sent). A call not done within the spin stays issued until the caller,
  * once its wait returns, calls end_of(desc). */
 typedef struct {
@@ -220,7 +220,10 @@ static PyObject *recorded_call(PyObject *self, PyObject *const *args, size_t nar
         count *= r->mul;
     }
     PyObject *extra = Py_None;
-    if (r->n_extra) {
+    if (r->n_extra == 1) {  /* one argument: itself, no tuple made */
+        extra = r->extra_at[0] < nargs ? args[r->extra_at[0]] : Py_None;
+        Py_INCREF(extra);
+    } else if (r->n_extra) {
         extra = PyTuple_New(r->n_extra);
         if (extra == NULL) return NULL;
         for (Py_ssize_t k = 0; k < r->n_extra; k++) {

@@ -158,3 +158,26 @@ def test_jax_lowering(ring):
         assert lowered[0]["algorithm"] == "mpi4jax" and lowered[0]["count"] == 5
     assert len(runs) == 2 and all(e["state"] == "completed" for e in runs)
     _same_everywhere(es)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="point to point needs 2 ranks")
+def test_bound_point_to_point_entries(ring):
+    """mcrdl_torch's bound sends and receives (a pipeline's step, the later calls of a
+    key bound): each entry names its peer and tag, the isend's async and completed, the
+    blocking receive's ended; the receives' results are the sender's."""
+    right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    got = torch.empty(3)
+    for i in range(6):
+        w = dist.isend(torch.full((3,), float(RANK * 10 + i)), right, tag=5, backend="mpi")
+        assert dist.recv(got, left, tag=5, backend="mpi") == left
+        w.wait()
+        np.testing.assert_array_equal(got.numpy(), np.full(3, left * 10.0 + i))
+    es = [e for e in ring() if e["p2p"]]
+    assert [e["op"] for e in es] == ["send", "recv"] * 6
+    for k, e in enumerate(es):
+        assert e["tag"] == 5 and e["count"] == 3 and e["state"] == "completed", e
+        assert e["peer"] == (right if e["op"] == "send" else left), e
+        assert e["async"] == (e["op"] == "send"), e
+        if k < len(es) - 4:  # (a done send's Work is let go, with its end, 4 calls on)
+            assert e["t_end"] >= e["t_issue"], e
+    assert [e["seq"] for e in es] == list(range(es[0]["seq"], es[0]["seq"] + 12))
