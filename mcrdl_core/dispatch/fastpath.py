@@ -215,7 +215,7 @@ def host_all_reduce(rt, mem, count: int, dtype, owner, op, group, async_op: bool
                               ((ptr, ptr + nbytes, True),), (owner,), eng)
         if work is None:  # (cannot happen with nothing in flight; the general path judges)
             if desc is not None:
-                _undo(e)
+                _undo(e, desc)
             return MISS
         if desc is not None:
             _outcome(e, work)
@@ -348,7 +348,7 @@ def _run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
     done = _issue_run(rt, plan, op, g, args, keep, async_op, nbytes, rlo, rhi, wlo, whi,
                       source)
     if done is MISS:
-        _undo(e)
+        _undo(e, desc)
     elif async_op:
         _outcome(e, done)
     else:
@@ -1256,7 +1256,7 @@ def _bind_all_to_all_v(rt, g, plan, isz, async_op):
                         out_splits, in_splits)
         if left is False:  # (splits that do not fit: nothing was sent)
             if e is not None:
-                _undo(e)
+                _undo(e, desc)
             return MISS
         if left is not None:
             be.fast_work(Op.ALL_TO_ALL, g, be.fast_request(left), ((in_ptr, in_end, False),
@@ -1416,7 +1416,7 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
             left = blocking(eng.spin_s, *args)
             if left is False:  # (counts the issuer refused: nothing was sent)
                 if e is not None:
-                    _undo(e)
+                    _undo(e, desc)
                 return MISS
             if left is not None:  # not done within the spin: the engine's wait
                 be.fast_work(op, g, be.fast_request(left), spans, owners).wait()

@@ -152,9 +152,10 @@ def run(c: Call):
         if cz is not None:
             if not _rec.ON:
                 return c.compressed(_hooks.transform("compression"), rt, g, red, sig, cz)
-            e = _record(c, g, be, sig, str(cz), "compressed",
-                        f"{rule}; codec by "
-                        f"{'compression=' if c.compression is not None else 'MCRDL_COMPRESSION'}")
+            by = "compression=" if c.compression is not None else "MCRDL_COMPRESSION"
+            desc, extra = _describe(c, g, be, sig, str(cz), "compressed",
+                                    f"{rule}; codec by {by}")
+            e = _rec.call(desc, c.buf.numel, extra)
             try:
                 return _finished(e, c.async_op, c.compressed, _hooks.transform("compression"),
                                  rt, g, red, sig, cz)
@@ -164,7 +165,7 @@ def run(c: Call):
                 # check comes before its entry. Kept, a rank whose peers ran the call
                 # uncompressed would number the group's later calls one higher than
                 # theirs, and `mcrdl trace` would compare different calls.
-                _rec.undo(e)
+                _rec.undo(e, desc)
                 raise
     if rt.observed and c.op not in _POINT_TO_POINT:
         if red is not None:
@@ -202,16 +203,22 @@ def run(c: Call):
     return work.value if c.value and not c.async_op else done
 
 
-def _record(c: Call, g, be, sig, codec, algorithm, rule) -> int:
-    """The flight recorder's entry of a call about to be issued (``observe/recorder``):
-    its static part, its element count and signature (root, peer, split counts); returns
-    its tick (``recorder.call``)."""
+def _describe(c: Call, g, be, sig, codec, algorithm, rule) -> tuple:
+    """(the flight recorder's static part of a call, its extra: root, peer, split
+    counts) (``observe/recorder``)."""
     red = c.reduce_op if c.reduce_op is None else ReduceOp.coerce(c.reduce_op)
     desc = _rec.describe(g, c.op, c.buf.dtype, be.name, algorithm, codec, rule, c.async_op,
                          red, sig.get("root"))
     extra = {k: v for k, v in sig.items() if v is not None and k in _SIG_KEYS} or None
     if extra and "counts" in extra:
         extra["counts"] = [list(map(int, x)) for x in extra["counts"]]
+    return desc, extra
+
+
+def _record(c: Call, g, be, sig, codec, algorithm, rule) -> int:
+    """The flight recorder's entry of a call about to be issued (``_describe``);
+    returns its tick (``recorder.call``)."""
+    desc, extra = _describe(c, g, be, sig, codec, algorithm, rule)
     return _rec.call(desc, c.buf.numel, extra)
 
 

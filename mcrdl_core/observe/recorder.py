@@ -25,12 +25,14 @@ to point on ``Group.trace_p2p`` (one side's count only); -1 for a lowered call.
 ``count`` is the element count per rank, ``extra`` the peer and tag, or the split
 counts (a dict, or the fast path's tuple). ``outcome`` is the async Work (let go 4
 calls later, and again 64 later, once it is done without an error: then ``"async"``,
-with its ``t_done`` as the end), or (state, text) of the exception a blocking call
-raised; ``t_end`` is set when a blocking call returns (a slot's entry has ended when its ``t_end`` is not older than its
-``t_issue``: the clock only goes forward, so the end left by the slot's previous entry
-never counts). ``call`` returns the entry's tick; ``end``, ``outcome`` and ``undo``
-take it and write only while the slot still holds that call (another thread may have
-gone round the ring meanwhile). Times are ``time.perf_counter()``; a dump converts
+with its ``t_done`` as the end, unknown for a compiled Work, which keeps none), or
+(state, text) of the exception a blocking call raised; ``t_end`` is set when a
+blocking call returns (a slot's entry has ended when its ``t_end`` is not older than
+its ``t_issue``: the clock only goes forward, so the end left by the slot's previous
+entry never counts). ``call`` returns the entry's tick; ``end`` and ``outcome`` take
+it and write only while the slot still holds that call (another thread may have gone
+round the ring meanwhile); ``undo(tick, desc)`` takes back the group's number in any
+case. Times are ``time.perf_counter()``; a dump converts
 them to wall-clock seconds. Nothing is computed for a dump until one is written: the
 state of each entry (issued, completed, failed, timed out) is read then from its Work,
 its exception or its group's broken mark, so a call that completes in compiled code
@@ -153,7 +155,7 @@ class PyRing:
 
     def _release(self, t: int) -> None:
         """Call ``t``'s async Work, done without an error, let go: its end becomes the
-        Work's ``t_done`` (now, where it keeps none), its outcome ``"async"``. Why: a
+        Work's ``t_done`` (unknown where it keeps none), its outcome ``"async"``. Why: a
         ring of thousands of Works kept their memory from being reused hot, which cost
         async calls most of a µs each (ring.c does the same)."""
         i = self._slot(t)
@@ -164,7 +166,8 @@ class PyRing:
                 or getattr(o, "error", None) is not None:
             return
         end_ = getattr(o, "t_done", None)
-        self.t_end[i] = end_ if isinstance(end_, float) and end_ >= self.t_issue[i] else _now()
+        if isinstance(end_, float) and end_ >= self.t_issue[i]:
+            self.t_end[i] = end_  # (else its end is unknown: a compiled Work keeps none)
         self.outcomes[i] = "async"
 
     def lowered(self, desc: tuple, count: int, extra, out) -> int:
@@ -201,14 +204,15 @@ class PyRing:
         if i >= 0:
             self.outcomes[i] = value
 
-    def forget(self, t: int) -> None:
-        """Empty call ``t``'s slot and take back its sequence number on its group."""
+    def forget(self, t: int, desc: tuple) -> None:
+        """Take back call ``t`` of ``desc``: its group's number whatever happened to its
+        slot (another thread may have gone round the ring: the number must still go, or
+        this rank numbers the group's later calls one higher than its peers), the slot
+        emptied while it still holds that call."""
         i = self._slot(t)
-        if i < 0 or self.descs[i] is None:
-            return
-        desc = self.descs[i]
-        self.ticks[i] = -1
-        self.descs[i] = self.extras[i] = self.outcomes[i] = None
+        if i >= 0:
+            self.ticks[i] = -1
+            self.descs[i] = self.extras[i] = self.outcomes[i] = None
         g = desc[D_GROUP]
         if desc[D_P2P]:
             g.trace_p2p -= 1
@@ -226,9 +230,10 @@ class PyRing:
         source rank, False when it refused its arguments, else the Work of a call not
         done within the spin), with every call recorded: noted before ``fn`` runs
         (count: its argument ``count_at`` times ``mul``, 1 where ``count_at`` < 0;
-        extra: its arguments at ``extra_at``, the one itself where it names one), ended when it returns done, taken back
-        when it refused. A call not done within the spin stays issued until the
-        caller's wait returns and it calls ``end_of(desc)``."""
+        extra: its arguments at ``extra_at``, the one itself where it names one), ended
+        when it returns done, taken back when it refused. A call not done within the
+        spin stays issued until the caller's wait returns and it calls ``end_of(desc)``.
+        """
         note, end, forget = self.note, self.end, self.forget
 
         one = extra_at[0] if len(extra_at) == 1 else None
@@ -241,7 +246,7 @@ class PyRing:
             t = note(desc, args[count_at] * mul if count_at >= 0 else 1, extra)
             res = fn(*args)
             if res is False:
-                forget(t)
+                forget(t, desc)
             elif res is None or res.__class__ is int:
                 end(t)
             return res
@@ -259,12 +264,17 @@ class PyRing:
 
     def slots(self) -> list:
         """The filled slots, oldest call first: (tick, desc, seq, t_issue, t_end,
-        count, extra, outcome, frame) each."""
-        order = sorted((t, i) for i, t in enumerate(self.ticks)
-                       if t >= 0 and self.descs[i] is not None)
-        return [(t, self.descs[i], self.seqs[i], self.t_issue[i], self.t_end[i],
-                 self.counts[i], self.extras[i], self.outcomes[i], self.frames[i])
-                for t, i in order]
+        count, extra, outcome, frame) each. Each column is copied at once (another
+        thread may fill or empty slots meanwhile), and a slot whose call changed while
+        they were copied is left out."""
+        ticks = self.ticks.tolist()
+        cols = (self.descs[:], self.seqs.tolist(), self.t_issue.tolist(),
+                self.t_end.tolist(), self.counts.tolist(), self.extras[:],
+                self.outcomes[:], self.frames[:])
+        now = self.ticks.tolist()
+        keep = sorted((t, i) for i, t in enumerate(ticks)
+                      if t >= 0 and now[i] == t and cols[0][i] is not None)
+        return [(t, *(c[i] for c in cols)) for t, i in keep]
 
 
 def native(size: int):
@@ -273,7 +283,7 @@ def native(size: int):
     a clock other than perf_counter's (Work.t_done is perf_counter's)."""
     if ring is None:
         return None
-    if getattr(ring, "VERSION", None) != 3 or abs(ring.now() - time.perf_counter()) > 0.05:
+    if getattr(ring, "VERSION", None) != 4 or abs(ring.now() - time.perf_counter()) > 0.05:
         return None
     ring.init(size)
     return ring
@@ -348,8 +358,10 @@ def directory(rt=None) -> str:
 def _state_of(slot) -> tuple:
     """(state, end time or None) of a slot's entry (``_slots``), read now."""
     _, desc, _, issued, ended, _, _, out, _ = slot
-    if (out is None or out == "async") and ended >= issued:  # ("async": its Work let go)
+    if out is None and ended >= issued:
         return "completed", ended
+    if out == "async":  # (its Work let go once done; a compiled Work keeps no end time)
+        return "completed", ended if ended >= issued else None
     if out == "lowered":
         return "lowered", None
     if out.__class__ is tuple:  # (state, text): the exception a blocking call raised

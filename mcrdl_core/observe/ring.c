@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define VERSION 3
+#define VERSION 4
 
 static Py_ssize_t size = 0;
 static long long next_tick = 0;
@@ -65,41 +65,44 @@ static PyObject *ring_init(PyObject *self, PyObject *arg) {
 }
 
 /* Release the async Work of call t (if the slot still holds it) once it is done
- * without an error: its end becomes the Work's t_done (the time the ring saw it done,
- * where the Work keeps none: the MPI fast path's compiled Works), its outcome the
- * marker "async". Why: a ring of thousands of Works held until their slots are reused
+ * without an error: its end becomes the Work's t_done (unknown where the Work keeps
+ * none: the MPI fast path's compiled Works), its outcome the marker "async". Why: a ring of thousands of Works held until their slots are reused
  * kept their memory from being reused hot, which cost async calls most of a µs each. A
  * failed Work stays (its error is the entry's state); any error here is dropped. */
 static void release_done(long long t)
 {
-    if (t < 0) return;
+    if (t < 0 || size == 0) return;
     Py_ssize_t j = (Py_ssize_t)(t % size);
     PyObject *o = outcomes[j];
     if (ticks[j] != t || o == NULL || o == Py_None || PyTuple_CheckExact(o)
             || PyUnicode_CheckExact(o))
         return;
+    Py_INCREF(o);  /* (the lookups below may run Python code) */
     /* (looked up without raising: an AttributeError made and dropped costs more than
      * the rest of the call) */
     PyObject *x = NULL;
-    if (_PyObject_LookupAttr(o, s_done, &x) <= 0) { PyErr_Clear(); return; }
-    int yes = PyObject_IsTrue(x);
-    Py_DECREF(x);
-    if (yes != 1) { PyErr_Clear(); return; }
-    if (_PyObject_LookupAttr(o, s_error, &x) < 0) { PyErr_Clear(); return; }
-    if (x != NULL) {
-        int failed = x != Py_None;
-        Py_DECREF(x);
-        if (failed) return;
-    }
     double end_ = -1.0;
-    if (_PyObject_LookupAttr(o, s_t_done, &x) < 0) PyErr_Clear();
-    else if (x != NULL) {
+    int yes = 0;
+    if (_PyObject_LookupAttr(o, s_done, &x) > 0) {
+        yes = PyObject_IsTrue(x);
+        Py_DECREF(x);
+    }
+    if (yes == 1 && _PyObject_LookupAttr(o, s_error, &x) >= 0 && x != NULL) {
+        if (x != Py_None) yes = 0;  /* a failed Work stays: its error is the state */
+        Py_DECREF(x);
+    }
+    if (yes == 1 && _PyObject_LookupAttr(o, s_t_done, &x) > 0) {
         if (PyFloat_Check(x)) end_ = PyFloat_AS_DOUBLE(x);
         Py_DECREF(x);
     }
-    t_end[j] = end_ >= t_issue[j] ? end_ : now();
-    Py_INCREF(s_async);
-    Py_XSETREF(outcomes[j], s_async);
+    PyErr_Clear();
+    /* the slot may have changed meanwhile: write only to the call looked at */
+    if (yes == 1 && size > 0 && ticks[j] == t && outcomes[j] == o) {
+        if (end_ >= t_issue[j]) t_end[j] = end_;  /* else: its end is unknown */
+        Py_INCREF(s_async);
+        Py_SETREF(outcomes[j], s_async);
+    }
+    Py_DECREF(o);
 }
 
 /* Record a call: the group's sequence number plus one (desc[8]: point to point, its
@@ -136,28 +139,34 @@ static Py_ssize_t note_c(PyObject *desc, long long count, PyObject *extra, PyObj
     return i;
 }
 
-/* Empty slot i and take back its call's sequence number on the group. */
-static int forget_c(Py_ssize_t i)
+/* Take back one sequence number of desc's group (a call that was not issued). */
+static int take_back(PyObject *desc)
 {
-    PyObject *desc = descs[i];
-    if (desc == NULL) return 0;
-    Py_INCREF(desc);
-    clear_slot(i);
     PyObject *g = PyTuple_GET_ITEM(desc, 0);
     PyObject *name = PyTuple_GET_ITEM(desc, 8) == Py_True ? s_p2p : s_seq;
     PyObject *v = PyObject_GetAttr(g, name);
-    int rc = -1;
-    if (v != NULL) {
-        long long seq = PyLong_AsLongLong(v);
-        Py_DECREF(v);
-        PyObject *nv = seq == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(seq - 1);
-        if (nv != NULL) {
-            rc = PyObject_SetAttr(g, name, nv);
-            Py_DECREF(nv);
-        }
-    }
-    Py_DECREF(desc);
+    if (v == NULL) return -1;
+    long long seq = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (seq == -1 && PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromLongLong(seq - 1);
+    if (nv == NULL) return -1;
+    int rc = PyObject_SetAttr(g, name, nv);
+    Py_DECREF(nv);
     return rc;
+}
+
+/* Forget call t of desc: its group's number taken back whatever happened to its slot
+ * (another thread may have gone round the ring meanwhile: the number must still go,
+ * or this rank numbers the group's later calls one higher than its peers), the slot
+ * emptied while it still holds that call. */
+static int forget_c(long long t, PyObject *desc)
+{
+    if (size > 0 && t >= 0) {
+        Py_ssize_t i = (Py_ssize_t)(t % size);
+        if (ticks[i] == t) clear_slot(i);
+    }
+    return take_back(desc);
 }
 
 static int check_desc(PyObject *desc)
@@ -235,16 +244,23 @@ static PyObject *recorded_call(PyObject *self, PyObject *const *args, size_t nar
     } else {
         Py_INCREF(extra);
     }
+    if (size == 0) {  /* (no ring made: the call alone) */
+        Py_DECREF(extra);
+        return PyObject_Vectorcall(r->fn, args, nargsf, kwnames);
+    }
     Py_ssize_t i = note_c(r->desc, count, extra, Py_None, &t);
     Py_DECREF(extra);
     if (i < 0) return NULL;
     PyObject *res = PyObject_Vectorcall(r->fn, args, nargsf, kwnames);
-    if (res == NULL || ticks[i] != t) return res;
-    if (res == Py_False) {
-        if (forget_c(i) < 0) { Py_DECREF(res); return NULL; }
-    } else if (res == Py_None || PyLong_CheckExact(res)) {
-        t_end[i] = now();
+    if (res == NULL) return res;
+    if (res == Py_False) {  /* refused, nothing sent: no entry, no number */
+        if (forget_c(t, r->desc) < 0) { Py_DECREF(res); return NULL; }
+        return res;
     }
+    if (size == 0) return res;  /* (the ring was made anew meanwhile) */
+    i = (Py_ssize_t)(t % size);  /* (and may be of another size now) */
+    if (ticks[i] == t && (res == Py_None || PyLong_CheckExact(res)))
+        t_end[i] = now();
     return res;
 }
 
@@ -357,12 +373,14 @@ static PyObject *ring_outcome(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* forget(tick): empty the slot of that call and take back its sequence number on
- * its group (undo: a call that was not issued after all). */
-static PyObject *ring_forget(PyObject *self, PyObject *arg) {
-    Py_ssize_t i;
-    if (slot_of(arg, &i) < 0) return NULL;
-    if (i >= 0 && forget_c(i) < 0) return NULL;
+/* forget(tick, desc): take back the call (undo: it was not issued after all): its
+ * group's number, and its slot while the slot still holds it. */
+static PyObject *ring_forget(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "forget(tick, desc)"); return NULL; }
+    if (check_desc(args[1]) < 0) return NULL;
+    long long t = PyLong_AsLongLong(args[0]);
+    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (forget_c(t, args[1]) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -406,7 +424,8 @@ static PyMethodDef methods[] = {
     {"end", ring_end, METH_O, "end(tick): the blocking call returned now"},
     {"outcome", (PyCFunction)(void (*)(void))ring_outcome, METH_FASTCALL,
      "outcome(tick, value): the call's Work or (state, text) of its error"},
-    {"forget", ring_forget, METH_O, "forget(tick): empty its slot, take back its seq"},
+    {"forget", (PyCFunction)(void (*)(void))ring_forget, METH_FASTCALL,
+     "forget(tick, desc): take back the call: its number, its slot"},
     {"recorded", (PyCFunction)(void (*)(void))ring_recorded, METH_FASTCALL,
      "recorded(fn, desc, count_at, mul, extra_at) -> fn, its calls recorded"},
     {"end_of", ring_end_of, METH_O, "end_of(desc): end desc's newest open call"},
