@@ -47,6 +47,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None, help="a bar chart of samples/s per row")
     ap.add_argument("rest", nargs="*", help="options of jax_mesh_pipeline.py (after --)")
     a = ap.parse_args(argv)
     base = ["--steps", str(a.steps), "--tp", "cols", "--micro", "4", "--batch", "256",
@@ -94,11 +95,40 @@ def main(argv=None):
         p0, p1 = max(e["peak"][:half]) / 1024, max(e["peak"][half:]) / 1024
         print(f"| {label} | {med[i]:.0f} | {med[i] / med[REF]:.2f} | {s0:.2f} / {s1:.2f} | "
               f"{p0:.1f} / {p1:.1f} | {e['diff']:.1e} |")
+    if a.png:
+        plot(a.png, results, med, f"{n} ranks on 2 meshes, {a.repeats} rotated repeats x "
+             f"{a.steps} steps, load {os.getloadavg()[0]:.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": [r[0] for r in ROWS], "samples_per_s": results,
                        "extra": extra, "options": base, "load": os.getloadavg()}, f,
                       indent=1)
+
+
+def plot(path: str, results: dict, med: dict, note: str) -> None:
+    """Samples/s per row: the median bar, every repeat a dot, the ratio to the
+    reference row above each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ys = list(range(len(ROWS)))[::-1]  # (the first row on top)
+    colors = ["#999999" if "non-blocking" not in r[0] else "#2a7ab0" for r in ROWS]
+    ax.barh(ys, [med[i] for i in range(len(ROWS))], color=colors)
+    for i, y in enumerate(ys):
+        ax.plot(results[i], [y] * len(results[i]), "k.", ms=4)
+        ax.annotate(f"{med[i] / med[REF]:.2f}x", (max(results[i]), y), va="center",
+                    fontsize=8, xytext=(4, 0), textcoords="offset points")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r[0] for r in ROWS], fontsize=8)
+    ax.set_xlabel("samples/s (bar: median; dots: repeats; ratio to the reference row)")
+    ax.set_title("JAX pipeline across two meshes (grey: blocking reshards)", fontsize=10)
+    ax.margins(x=0.12)
+    ax.text(0.99, 0.01, note, transform=ax.transAxes, fontsize=7, ha="right", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def jax_f32(v):
