@@ -50,8 +50,8 @@ engine's wait polls everything.
 
 Environment variables read on every call go through ``env_value`` (a lookup in
 ``os.environ``'s own bytes-keyed dict: 0.03 µs, where ``os.environ.get`` encodes the
-name every time, about 1 µs). Where the time of one call goes, and how it was brought
-down, is in docs/benchmarks.md ("Per-call overhead").
+name every time, about 1 µs). Where the time of one call goes is in docs/benchmarks.md
+("Per-call overhead").
 """
 from __future__ import annotations
 
@@ -80,9 +80,12 @@ MISS = object()
 
 # The flight recorder (observe/recorder.py): each plan carries its calls' static part
 # (``_Plan.desc``, made once per memo key with the rule that chose the backend), and
-# each call issued here, bound or not, appends one entry (``_note``: its sequence
-# number on the group, the time, the element count the general path records too) and
-# sets its end when a blocking call returns; an async one keeps its Work.
+# each call issued here, bound or not, makes one entry (``_note``: its sequence number
+# on the group, the time, the element count the general path records too) and sets its
+# end when a blocking call returns (``_end``); an async one keeps its Work. A bound
+# closure's blocking issuer is wrapped (``_recorded``) so that the entry is made and
+# ended in the issue's own C call; one not done within its spin is ended by
+# ``_end_of(desc)`` once its wait returns.
 _REC = _rec.ON
 _note, _end, _outcome, _undo = _rec.call, _rec.end, _rec.outcome, _rec.undo
 _recorded, _end_of = _rec.recorded, _rec.end_of

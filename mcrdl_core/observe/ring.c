@@ -105,25 +105,33 @@ static void release_done(long long t)
     Py_DECREF(o);
 }
 
-/* Record a call: the group's sequence number plus one (desc[8]: point to point, its
- * trace_p2p, else trace_seq), written back; the slot filled. Returns the slot, or -1
- * with an exception set; *tick: the call's tick. */
-static Py_ssize_t note_c(PyObject *desc, long long count, PyObject *extra, PyObject *out,
-                         long long *tick)
+/* Add ``by`` to the sequence number of desc's group (desc[8]: point to point, its
+ * trace_p2p, else trace_seq), written back; *seq: the new number. 0, or -1 with an
+ * exception set. */
+static int bump(PyObject *desc, int by, long long *seq)
 {
     PyObject *g = PyTuple_GET_ITEM(desc, 0);
     PyObject *name = PyTuple_GET_ITEM(desc, 8) == Py_True ? s_p2p : s_seq;
     PyObject *v = PyObject_GetAttr(g, name);
     if (v == NULL) return -1;
-    long long seq = PyLong_AsLongLong(v);
+    long long n = PyLong_AsLongLong(v);
     Py_DECREF(v);
-    if (seq == -1 && PyErr_Occurred()) return -1;
-    seq += 1;
-    PyObject *nv = PyLong_FromLongLong(seq);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromLongLong(n + by);
     if (nv == NULL) return -1;
     int rc = PyObject_SetAttr(g, name, nv);
     Py_DECREF(nv);
-    if (rc < 0) return -1;
+    *seq = n + by;
+    return rc;
+}
+
+/* Record a call: its group's next sequence number (bump), its slot filled. Returns the
+ * slot, or -1 with an exception set; *tick: the call's tick. */
+static Py_ssize_t note_c(PyObject *desc, long long count, PyObject *extra, PyObject *out,
+                         long long *tick)
+{
+    long long seq;
+    if (bump(desc, 1, &seq) < 0) return -1;
     long long t = next_tick++;
     Py_ssize_t i = (Py_ssize_t)(t % size);
     ticks[i] = t;
@@ -139,23 +147,6 @@ static Py_ssize_t note_c(PyObject *desc, long long count, PyObject *extra, PyObj
     return i;
 }
 
-/* Take back one sequence number of desc's group (a call that was not issued). */
-static int take_back(PyObject *desc)
-{
-    PyObject *g = PyTuple_GET_ITEM(desc, 0);
-    PyObject *name = PyTuple_GET_ITEM(desc, 8) == Py_True ? s_p2p : s_seq;
-    PyObject *v = PyObject_GetAttr(g, name);
-    if (v == NULL) return -1;
-    long long seq = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (seq == -1 && PyErr_Occurred()) return -1;
-    PyObject *nv = PyLong_FromLongLong(seq - 1);
-    if (nv == NULL) return -1;
-    int rc = PyObject_SetAttr(g, name, nv);
-    Py_DECREF(nv);
-    return rc;
-}
-
 /* Forget call t of desc: its group's number taken back whatever happened to its slot
  * (another thread may have gone round the ring meanwhile: the number must still go,
  * or this rank numbers the group's later calls one higher than its peers), the slot
@@ -166,7 +157,8 @@ static int forget_c(long long t, PyObject *desc)
         Py_ssize_t i = (Py_ssize_t)(t % size);
         if (ticks[i] == t) clear_slot(i);
     }
-    return take_back(desc);
+    long long seq;
+    return bump(desc, -1, &seq);
 }
 
 static int check_desc(PyObject *desc)
