@@ -83,12 +83,22 @@ MISS = object()
 # each call issued here, bound or not, makes one entry (``_note``: its sequence number
 # on the group, the time, the element count the general path records too) and sets its
 # end when a blocking call returns (``_end``); an async one keeps its Work. A bound
-# closure's blocking issuer is wrapped (``_recorded``) so that the entry is made and
+# closure's blocking issuer is wrapped (``_recording``) so that the entry is made and
 # ended in the issue's own C call; one not done within its spin is ended by
 # ``_end_of(desc)`` once its wait returns.
 _REC = _rec.ON
 _note, _end, _outcome, _undo = _rec.call, _rec.end, _rec.outcome, _rec.undo
-_recorded, _end_of = _rec.recorded, _rec.end_of
+_end_of = _rec.end_of
+
+
+def _recording(blocking, desc, count_at: int, mul: int = 1, extra_at: tuple = ()):
+    """A bound closure's blocking issuer, its calls recorded in the issue's own C call
+    (``recorder.recorded``: the count at argument ``count_at`` of ``spin, ...`` times
+    ``mul``, the extra at ``extra_at``); the issuer itself where the recorder is off or
+    there is no compiled issuer."""
+    if desc is None or blocking is None:
+        return blocking
+    return _rec.recorded(blocking, desc, count_at, mul, extra_at)
 
 
 class _Plan(tuple):
@@ -1104,9 +1114,7 @@ def _bind_in_place(rt, g, plan, op, isz, codecs, async_op):
     alone = not async_op or op is Op.ALL_REDUCE
     name, bname, size = op.value, be.name, g.size  # (a logger record's fields)
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
-    if desc is not None and blocking is not None:  # (spin, ptr, count): each call
-        # noted and ended in one C call (observe/ring.c)
-        blocking = _recorded(blocking, desc, 2, 1, ())
+    blocking = _recording(blocking, desc, 2)  # (spin, ptr, count)
 
     def call(ptr, count, owner):
         logging_on = rt.logger.enabled
@@ -1145,8 +1153,7 @@ def _bind_blocks(rt, g, plan, op, isz, gathers, async_op):
     n = g.size
     name, bname = op.value, be.name
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
-    if desc is not None and blocking is not None:  # (spin, out, in, count per rank)
-        blocking = _recorded(blocking, desc, 3, 1, ())
+    blocking = _recording(blocking, desc, 3)  # (spin, out, in, count per rank)
 
     def call(out_ptr, out_count, in_ptr, in_count, owners):
         small, big = (in_count, out_count) if gathers else (out_count, in_count)
@@ -1187,9 +1194,8 @@ def _bind_all_to_all(rt, g, plan, isz, async_op):
     launch = be.fast_launch  # (bound once: the MPI backend's is one C call)
     n = g.size
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
-    if desc is not None and blocking is not None:  # (spin, out, in, count per rank): the
-        # entry's count is the input's, n blocks
-        blocking = _recorded(blocking, desc, 3, n, ())
+    # (spin, out, in, count per rank): the entry's count is the input's, n blocks
+    blocking = _recording(blocking, desc, 3, n)
 
     bname = be.name
 
@@ -1284,8 +1290,7 @@ def _bind_barrier(rt, g, plan, async_op):
 
     bname, size = be.name, g.size
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
-    if desc is not None and blocking is not None:  # (spin): count 1
-        blocking = _recorded(blocking, desc, -1, 1, ())
+    blocking = _recording(blocking, desc, -1)  # (spin): count 1
 
     def call():
         logging_on = rt.logger.enabled
@@ -1325,8 +1330,7 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
     desc = getattr(plan, "desc", None)  # (None: the recorder is off)
     if desc is not None:  # this closure's peer in its entries' desc, the tag their extra
         desc = desc[:_rec.D_ROOT] + (peer,)  # (an int: no tuple made per call)
-    recorded = (blocking if desc is None or blocking is None
-                else _recorded(blocking, desc, 2, 1, (4,)))  # ((spin, ptr, count, peer, tag))
+    blocking = _recording(blocking, desc, 2, 1, (4,))  # (spin, ptr, count, peer, tag)
 
     def call(ptr, count, tag, owner):
         logging_on = rt.logger.enabled
@@ -1357,7 +1361,7 @@ def _bind_p2p(rt, g, plan, op, isz, peer, async_op):
             return work.value if receives else None
         if logging_on:
             t0 = _now()
-        left = recorded(eng.spin_s, ptr, count, peer, tag)
+        left = blocking(eng.spin_s, ptr, count, peer, tag)
         if left is None or left.__class__ is int:
             done = None if left is None else ranks[left]
         else:
@@ -1386,9 +1390,9 @@ def _bind_listed(rt, g, plan, op, prep, fixed, async_op):
     desc, facts = getattr(plan, "desc", None), _FACTS[op]
     # blocking alone: recorded in the compiled issuer's call (spin, out, ptr, count); the
     # list all-to-all's count is its first block's, its entry made here
-    wrapped = (desc is not None and blocking is not None and op is not Op.ALL_TO_ALL)
+    wrapped = desc is not None and blocking is not None and op is not Op.ALL_TO_ALL
     if wrapped:
-        blocking = _recorded(blocking, desc, 3, 1, ())
+        blocking = _recording(blocking, desc, 3)
 
     def call(x, y, z, owners):
         logging_on = rt.logger.enabled
