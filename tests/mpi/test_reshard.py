@@ -118,6 +118,40 @@ def test_chain_broadcast_segments_and_balancing_options(backend, go, monkeypatch
             _check(y, G, whole, shape)
 
 
+@pytest.mark.skipif(SIZE < 3, reason="a chain with a relay needs three ranks")
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_async_relay_returns_at_once_and_keeps_each_pairs_order(backend):
+    """An async broadcast reshard chained 0 -> 1 -> 2: rank 1 (the relay) returns from
+    its start before rank 0 has sent anything (rank 0 sends only once rank 1 says so:
+    a start that waited for the data would hang here), and a later reshard's direct
+    send 1 -> 2 issued while the relay's forward is still queued reaches rank 2 after
+    it, into the later reshard's tile (one pair's messages keep their order)."""
+    G = np.arange(64, dtype=np.float32)
+    one = Layout(Mesh([0], ("a",)), [None])
+    both = Layout(Mesh([1, 2], ("x",)), [None])
+    at1, at2 = Layout(Mesh([1], ("a",)), [None]), Layout(Mesh([2], ("x",)), [None])
+    kw = dict(dtype=np.float32, chain=True, hosts=1, backend=backend)
+    for a, b, x in ((one, both, G if RANK == 0 else None), (at1, at2, G if RANK == 1 else None)):
+        _check(mc.reshard(x, a, b, G.shape, method="broadcast" if a is one else "send_recv",
+                          **kw), G, b, G.shape)  # each plan checked across ranks once
+    flag = np.zeros(1, np.float32)
+    if RANK == 0:
+        mc.recv(flag, 1, backend=backend)  # rank 1's start has returned
+        assert mc.reshard(G * 2, one, both, G.shape, **kw) is None
+        assert mc.reshard(None, at1, at2, G.shape, method="send_recv", **kw) is None
+        return
+    work, y = mc.reshard(None, one, both, G.shape, async_op=True, **kw)
+    if RANK == 1:
+        mc.send(flag, 0, backend=backend)
+    work2, y2 = mc.reshard(-G if RANK == 1 else None, at1, at2, G.shape, method="send_recv",
+                           async_op=True, **kw)
+    for w in (work2, work):  # (waited in the other order: the queue moves either way)
+        if w is not None:
+            w.wait()
+    _check(y, G * 2, both, G.shape)
+    _check(y2, -G, at2, G.shape)
+
+
 def test_plan_is_printable_serializable_and_reusable():
     src = Layout(Mesh([0], ("a",)), [])
     dst = Layout(Mesh(np.arange(SIZE), ("x",)), ["x"])
