@@ -1,7 +1,9 @@
 """The cross-mesh pipeline table: schedules x reshard methods, in one job.
 
-    mcrdl cluster run --hosts 4 --rate 1gbit -- .venv/bin/python bench/jax_pipeline_table.py \\
-        [--repeats 3] [--steps 6] [--json out.json] [-- app options]
+    mcrdl cluster run --hosts 2 --ranks-per-host 2 --rate 1gbit -- \\
+        .venv/bin/python bench/jax_pipeline_table.py [--repeats 5] [--steps 8] \\
+        [--json out.json] [-- app options, e.g. --backend gloo]
+    .venv/bin/python bench/jax_pipeline_table.py --plot mpi.json gloo.json --png out.png
 
 Runs ``bench/apps/jax_mesh_pipeline.py``'s training (stage 0 on the first half of the
 ranks, stage 1 on the rest; ``--tp cols`` by default, so stage 1 holds h replicated)
@@ -48,8 +50,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="a bar chart of samples/s per row")
+    ap.add_argument("--plot", nargs="+", default=None, metavar="JSON",
+                    help="draw --png from these --json files of earlier runs (one bar "
+                         "colour per file, e.g. one per backend) instead of running")
     ap.add_argument("rest", nargs="*", help="options of jax_mesh_pipeline.py (after --)")
     a = ap.parse_args(argv)
+    if a.plot:
+        return plot_runs(a.png or "jax-pipeline.png", a.plot)
     base = ["--steps", str(a.steps), "--tp", "cols", "--micro", "4", "--batch", "256",
             "--dim", "256", "--hidden", "1024", "--out", "256", "--lr", "0.05", *a.rest]
     rank = mj.get_rank()
@@ -127,6 +134,44 @@ def plot(path: str, results: dict, med: dict, note: str) -> None:
     ax.set_title("JAX pipeline across two meshes (grey: blocking reshards)", fontsize=10)
     ax.margins(x=0.12)
     ax.text(0.99, 0.01, note, transform=ax.transAxes, fontsize=7, ha="right", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_runs(path: str, files: list) -> None:
+    """Samples/s per row of several runs side by side (a run: a --json file, labelled by
+    its app options' --backend and its load): bars of medians, a dot per repeat, each
+    bar's ratio to its own run's reference row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for f in files:
+        with open(f) as fh:
+            d = json.load(fh)
+        opts = d["options"]
+        be = opts[opts.index("--backend") + 1] if "--backend" in opts else "auto"
+        reps = {int(k): v for k, v in d["samples_per_s"].items()}
+        runs.append((f"{be} (load {d['load'][0]:.1f})", reps))
+    fig, ax = plt.subplots(figsize=(8.5, 5))
+    k = len(runs)
+    h = 0.8 / k
+    for j, (label, reps) in enumerate(runs):
+        med = {i: statistics.median(v) for i, v in reps.items()}
+        ys = [len(ROWS) - 1 - i + (k - 1 - j - (k - 1) / 2) * h for i in range(len(ROWS))]
+        ax.barh(ys, [med[i] for i in range(len(ROWS))], height=h, label=label)
+        for i, y in enumerate(ys):
+            ax.plot(reps[i], [y] * len(reps[i]), "k.", ms=3)
+            ax.annotate(f"{med[i] / med[REF]:.2f}x", (max(reps[i]), y), va="center",
+                        fontsize=7, xytext=(3, 0), textcoords="offset points")
+    ax.set_yticks(range(len(ROWS)))
+    ax.set_yticklabels([r[0] for r in ROWS][::-1], fontsize=8)
+    ax.set_xlabel("samples/s (bar: median; dots: repeats; ratio to the run's reference row)")
+    ax.set_title("JAX pipeline across two meshes", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.margins(x=0.12)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
