@@ -277,8 +277,8 @@ def render(layouts: list = None) -> str:
                 f"`{r['command']}` (as run by `{FULL}{' --quick' if result.get('quick') else ''}"
                 f"{' --apps ' + ' '.join(r['apps']) if len(runs) > 1 else ''}`, {r['when']}, "
                 f"load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end)"
-                for r in runs) + f"; {result['machine']} (other work shared the 2 cores: "
-                "figures show direction, not precision)."]
+                for r in runs) + f"; {result['machine']} (the emulated hosts and every rank "
+                "share its cores; one run per variant shows direction, not precision)."]
             for app, why in result.get("retried", {}).items():
                 out.append(f"{app} ran on its second attempt (the first: {why}).")
             if ranks // hosts == 1:
@@ -311,10 +311,9 @@ def render(layouts: list = None) -> str:
     if missing:
         out.append(f"- Not measured: {', '.join(missing)} (`{FULL}`).")
     if quick:
-        out.append(f"- {', '.join(quick)}: --quick figures, one run per variant on a machine "
-                   "other work was using: where the A/A is far from 1.00, the ratios beside it "
-                   f"show direction only; `{FULL}` (3 rotated repeats, medians) on a quiet "
-                   "machine gives the figures.")
+        out.append(f"- {', '.join(quick)}: --quick figures, one run per variant (no median): "
+                   "where the A/A is far from 1.00, the ratios beside it show direction only; "
+                   f"`{FULL}` (3 rotated repeats, medians) gives the figures.")
     out += ["- The papers ran on GPU clusters (V100/A100, InfiniBand); here the hosts are "
             "network namespaces of one 2-core VM: the compute is CPU compute, two orders of "
             "magnitude slower per byte moved than the papers' GPUs, and the codecs, the "
