@@ -341,7 +341,12 @@ class GlooBackend(Backend):
         st = self._stores.get(ranks)
         if st is None:
             timeout = _timeout(self.rt.engine.timeout)
-            host = "127.0.0.1" if bs.all_local else os.environ.get("MASTER_ADDR", bs.hostname())
+            if bs.all_local:
+                host = "127.0.0.1"
+            elif ranks[0] == 0 and os.environ.get("MASTER_ADDR"):
+                host = os.environ["MASTER_ADDR"]  # rank 0's address, as its launcher knows it
+            else:  # the first member hosts the store: its own name, not rank 0's address
+                host = bs.hostname()
             if bs.rank == ranks[0]:
                 store = dist.TCPStore(host, 0, len(ranks), is_master=True, timeout=timeout,
                                       wait_for_workers=False)

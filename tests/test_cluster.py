@@ -241,6 +241,33 @@ def test_bytes_cross_the_links_between_hosts_and_not_within_one(tmp_path):
     assert rep["links"]["h0"]["sent_bytes"] < 4 << 20, rep["links"]
 
 
+GROUPS = textwrap.dedent("""
+    import numpy as np, mcrdl_core as mc
+    rt = mc.init(); n, me = rt.world_size, rt.rank
+    groups = [mc.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]  # every rank, in order
+    for g in groups:
+        if me in g.ranks:
+            x = np.full(4, me + 1, np.float32)
+            mc.all_reduce(x, group=g, backend="gloo")
+            assert (x == sum(r + 1 for r in g.ranks)).all(), (g.ranks, x)
+    print("rank", me, "ok", flush=True)
+""")
+
+
+@needs_netns
+def test_gloo_groups_led_by_a_rank_on_another_host_than_rank_0(tmp_path):
+    """The Megatron-style groups of 2 hosts x 2 ([2, 3] and [1, 3] are led by ranks off
+    rank 0's host) on Gloo, with MASTER_ADDR set as a torch launch sets it: each group's
+    store is on its first member, so its address is that member's, not MASTER_ADDR's
+    (which sent ranks to a port on h0 where nothing listened, until the store timed out)."""
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS)
+    proc, rep = _run(["--hosts", "2", "--ranks-per-host", "2", "--rate", "10gbit",
+                      "--timeout", "100"], [sys.executable, str(script)], tmp_path=tmp_path,
+                     env={"MASTER_ADDR": "h0", "MCRDL_TIMEOUT": "30"})
+    assert proc.returncode == 0 and proc.stdout.count("ok") == 4, proc.stdout + proc.stderr
+
+
 # The op tests cover 8 dtypes; between hosts what changes is the transport, not the
 # per-rank dtype handling, so make test runs float32 and int32 (with the bitwise
 # reductions; -k "float16" also drops bfloat16) to stay within its time: a run's cost
