@@ -405,6 +405,10 @@ _OUT: dict = {}  # (runtime id, peer, tag) -> deque of _Deferred, in the order m
 _OUT_LOCK = threading.Lock()
 
 
+def _issue(buf, peer: int, tag: int, backend):
+    return _api.core_send(as_buffer(buf), peer, None, tag, True, backend)
+
+
 def _post_send(buf, peer: int, backend, ready=None, gate=(), tag: int = TAG):
     """Send ``buf`` to ``peer`` on ``tag`` now, or as a :class:`_Deferred` when
     ``ready`` does not hold yet, a work of ``gate`` is not done or an earlier deferred
@@ -418,7 +422,7 @@ def _post_send(buf, peer: int, backend, ready=None, gate=(), tag: int = TAG):
     with _OUT_LOCK:
         q = _OUT.get(key)
         if not q and (ready is None or ready()):
-            return _api.core_send(as_buffer(buf), peer, None, tag, True, backend)
+            return _issue(buf, peer, tag, backend)
         d = _Deferred(peer, buf, backend, ready, tag)
         _OUT.setdefault(key, deque()).append(d)
     _engine().add(d)
@@ -435,7 +439,7 @@ def _pump() -> None:
             while q and (q[0].ready is None or q[0].ready()):
                 d = q.popleft()
                 try:
-                    d.sent = _api.core_send(as_buffer(d.buf), d.peer, None, d.tag, True, d.be)
+                    d.sent = _issue(d.buf, d.peer, d.tag, d.be)
                 except BaseException as exc:  # (the send failed: so does its stand-in)
                     d.sent = d
                     d.complete(exc)
