@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("rest", nargs="*", help="options of jax_mesh_pipeline.py (after --)")
     a = ap.parse_args(argv)
     if a.plot:
-        return plot_runs(a.png or "jax-pipeline.png", a.plot)
+        return plot_runs(a.png or "jax-pipeline.png", load_runs(a.plot))
     base = ["--steps", str(a.steps), "--tp", "cols", "--micro", "4", "--batch", "256",
             "--dim", "256", "--hidden", "1024", "--out", "256", "--lr", "0.05", *a.rest]
     rank = mj.get_rank()
@@ -103,8 +103,8 @@ def main(argv=None):
         print(f"| {label} | {med[i]:.0f} | {med[i] / med[REF]:.2f} | {s0:.2f} / {s1:.2f} | "
               f"{p0:.1f} / {p1:.1f} | {e['diff']:.1e} |")
     if a.png:
-        plot(a.png, results, med, f"{n} ranks on 2 meshes, {a.repeats} rotated repeats x "
-             f"{a.steps} steps, load {os.getloadavg()[0]:.1f}")
+        be = base[base.index("--backend") + 1] if "--backend" in base else "auto"
+        plot_runs(a.png, [(f"{be} (load {os.getloadavg()[0]:.1f})", results)])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": [r[0] for r in ROWS], "samples_per_s": results,
@@ -112,41 +112,9 @@ def main(argv=None):
                       indent=1)
 
 
-def plot(path: str, results: dict, med: dict, note: str) -> None:
-    """Samples/s per row: the median bar, every repeat a dot, the ratio to the
-    reference row above each bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    ys = list(range(len(ROWS)))[::-1]  # (the first row on top)
-    colors = ["#999999" if "non-blocking" not in r[0] else "#2a7ab0" for r in ROWS]
-    ax.barh(ys, [med[i] for i in range(len(ROWS))], color=colors)
-    for i, y in enumerate(ys):
-        ax.plot(results[i], [y] * len(results[i]), "k.", ms=4)
-        ax.annotate(f"{med[i] / med[REF]:.2f}x", (max(results[i]), y), va="center",
-                    fontsize=8, xytext=(4, 0), textcoords="offset points")
-    ax.set_yticks(ys)
-    ax.set_yticklabels([r[0] for r in ROWS], fontsize=8)
-    ax.set_xlabel("samples/s (bar: median; dots: repeats; ratio to the reference row)")
-    ax.set_title("JAX pipeline across two meshes (grey: blocking reshards)", fontsize=10)
-    ax.margins(x=0.12)
-    ax.text(0.99, 0.01, note, transform=ax.transAxes, fontsize=7, ha="right", va="bottom")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def plot_runs(path: str, files: list) -> None:
-    """Samples/s per row of several runs side by side (a run: a --json file, labelled by
-    its app options' --backend and its load): bars of medians, a dot per repeat, each
-    bar's ratio to its own run's reference row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def load_runs(files: list) -> list:
+    """(label, {row: samples/s of every repeat}) of each --json file: labelled by its app
+    options' --backend and its load average."""
     runs = []
     for f in files:
         with open(f) as fh:
@@ -155,6 +123,17 @@ def plot_runs(path: str, files: list) -> None:
         be = opts[opts.index("--backend") + 1] if "--backend" in opts else "auto"
         reps = {int(k): v for k, v in d["samples_per_s"].items()}
         runs.append((f"{be} (load {d['load'][0]:.1f})", reps))
+    return runs
+
+
+def plot_runs(path: str, runs: list) -> None:
+    """Samples/s per row of one or more runs side by side ((label, {row: repeats})):
+    bars of medians, a dot per repeat, each bar's ratio to its own run's reference row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8.5, 5))
     k = len(runs)
     h = 0.8 / k
