@@ -113,10 +113,8 @@ def new_group(ranks=None, timeout=None, backend: str | None = None, pg_options=N
     timeout = _seconds(timeout)
     if ranks is not None and sort_ranks:
         ranks = sorted(ranks)
-    g = _core.new_group(ranks, backend=None if backend in (None, "auto") else backend)
-    if timeout is not None:
-        g.timeout = timeout
-    return g
+    return _core.new_group(ranks, backend=None if backend in (None, "auto") else backend,
+                           timeout=timeout)
 
 
 def available_backends() -> dict:
