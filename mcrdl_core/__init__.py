@@ -47,12 +47,11 @@ def get_world_size(group=None) -> int:
     return rt.world_size if group is None else group.size
 
 
-def new_group(ranks=None, name=None, backend=None, key=None, timeout=None) -> Group:
+def new_group(ranks=None, name=None, backend=None, key=None) -> Group:
     """As torch.distributed.new_group: every rank calls it, or the members only; the
     ranks keep the order given. ``backend`` becomes the default of calls on this group;
-    ``key``: the group's identity among its members; ``timeout``: the group's own, in
-    seconds (``Runtime.new_group``)."""
-    return get_runtime().new_group(ranks, name, backend, key, timeout)
+    ``key``: the group's identity among its members (``Runtime.new_group``)."""
+    return get_runtime().new_group(ranks, name, backend, key)
 
 
 def available_backends() -> dict:

@@ -113,8 +113,10 @@ def new_group(ranks=None, timeout=None, backend: str | None = None, pg_options=N
     timeout = _seconds(timeout)
     if ranks is not None and sort_ranks:
         ranks = sorted(ranks)
-    return _core.new_group(ranks, backend=None if backend in (None, "auto") else backend,
-                           timeout=timeout)
+    g = _core.new_group(ranks, backend=None if backend in (None, "auto") else backend)
+    if timeout is not None:
+        g.timeout = timeout
+    return g
 
 
 def available_backends() -> dict:

@@ -663,8 +663,7 @@ class McrdlProcessGroup(dist.ProcessGroup):
                 f"new_group(..., pg_options={lib!r}) for an 'mcrdl' group whose calls all "
                 "run on that library"))
         g = core.new_group(ranks, name=group_name,
-                           key=f"torch:{group_name}" if group_name else None,
-                           timeout=seconds(timeout))  # (its handshake waits as long)
+                           key=f"torch:{group_name}" if group_name else None)
         if not g.is_member:
             return None
         opts = pg_options if pg_options is not None else self.choices or None

@@ -229,13 +229,11 @@ class Runtime:
 
     # --- groups -------------------------------------------------------------------------
     def new_group(self, ranks=None, name: str | None = None, backend: str | None = None,
-                  key: str | None = None, timeout: float | None = None) -> Group:
+                  key: str | None = None) -> Group:
         """Like torch.distributed.new_group: every rank calls it, or the members only.
         ``ranks`` keep the order given (group rank i is ``ranks[i]``). ``key``: the
         group's identity among its members (default: the ranks and how many groups of
-        the same ranks this process made before, which every member counts alike).
-        ``timeout`` (seconds): the group's own, set before its communicators are made,
-        so that their handshake (members arriving at new_group apart) waits that long."""
+        the same ranks this process made before, which every member counts alike)."""
         if ranks is None:
             ranks = range(self.world_size)
         ranks = list(ranks)
@@ -250,8 +248,6 @@ class Runtime:
             key = f"{','.join(map(str, ranks))}#{made}"
         g = Group(len(self.groups), ranks, self.rank, name, key)
         g.backend = backend
-        if timeout is not None:
-            g.timeout = timeout
         if g.is_member:
             self.connect(g)  # raises on every member if they are out of step: then the
         self._made[tuple(ranks)] = made + 1  # group counts as never made, here as there
